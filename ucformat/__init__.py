@@ -1,0 +1,28 @@
+"""ucformat: universal checkpoints for DeepSpeed ZeRO.
+
+Convert per-rank ZeRO shards into a zarr v3 store of per-parameter arrays described by a
+pydantic manifest, then load it at any world size and ZeRO stage, each rank reading only the
+bytes of its own partition.
+
+>>> manifest = ucformat.convert("runs/gpt/global_step800", "ckpt.ucf")  # doctest: +SKIP
+>>> ckpt = ucformat.open("ckpt.ucf")  # doctest: +SKIP
+>>> ckpt.read("layers.0.weight", "exp_avg")  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+from ucformat._version import __version__
+from ucformat.convert import convert
+from ucformat.errors import UCFormatError
+from ucformat.models import CheckpointManifest
+from ucformat.reader import UniversalCheckpoint
+from ucformat.reader import open_checkpoint as open  # noqa: A004
+
+__all__ = [
+    "CheckpointManifest",
+    "UCFormatError",
+    "UniversalCheckpoint",
+    "__version__",
+    "convert",
+    "open",
+]

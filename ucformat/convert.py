@@ -1,0 +1,159 @@
+"""``ucformat.convert``: a DeepSpeed ZeRO checkpoint in, a committed ucformat store out."""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import zarr
+from zarr.abc.store import Store
+from zarr.storage import LocalStore
+
+from ucformat.errors import StoreExistsError
+from ucformat.layout.chunking import ChunkPolicy
+from ucformat.manifest_io import commit_manifest
+from ucformat.models import CheckpointManifest
+from ucformat.plan import ConvertOptions, ConvertPlan, plan_convert
+from ucformat.sources.deepspeed import read_deepspeed_checkpoint
+from ucformat.sources.safe_unpickle import PicklePolicy
+from ucformat.spec import FORMAT_NAME, FORMAT_VERSION, MANIFEST_KEY
+from ucformat.writer import create_arrays, write_units
+from ucformat.zarr_io import StoreLike, delete_key, list_keys, open_store
+
+__all__ = ["ConvertHooks", "convert", "plan_from_source"]
+
+
+@dataclass
+class ConvertHooks:
+    """Callbacks for progress reporting (all optional)."""
+
+    on_plan: Callable[[ConvertPlan], None] | None = None
+    on_bytes: Callable[[int], None] | None = None
+
+
+def plan_from_source(
+    src: str | Path,
+    *,
+    tag: str | None = None,
+    chunk_bytes: int | None = None,
+    shard_bytes: int | None = None,
+    compressor: str = "none",
+    opaque_globals: Iterable[str] = (),
+) -> ConvertPlan:
+    """Read ``src``'s metadata and plan its conversion, without writing anything."""
+    with read_deepspeed_checkpoint(Path(src), tag, _pickle_policy(opaque_globals)) as source:
+        return plan_convert(source, _options(chunk_bytes, shard_bytes, compressor))
+
+
+def convert(
+    src: str | Path,
+    dst: StoreLike,
+    *,
+    tag: str | None = None,
+    overwrite: bool = False,
+    dry_run: bool = False,
+    chunk_bytes: int | None = None,
+    shard_bytes: int | None = None,
+    compressor: str = "none",
+    workers: int = 1,
+    opaque_globals: Iterable[str] = (),
+    hooks: ConvertHooks | None = None,
+) -> CheckpointManifest:
+    """Convert a DeepSpeed ZeRO checkpoint into a ucformat store.
+
+    Args:
+        src: the checkpoint's tag folder, or the run folder holding ``latest``.
+        dst: a local path, an fsspec URL, or a zarr ``Store``.
+        tag: the tag to convert when ``src`` is a run folder (default: ``latest``).
+        overwrite: replace an existing ucformat store at ``dst``.
+        dry_run: plan and validate only; write nothing.
+        chunk_bytes: inner chunk target (read granularity); default 128 KiB.
+        shard_bytes: shard target (storage object size); default 64 MiB.
+        compressor: ``"none"`` or ``"zstd"``.
+        workers: threads writing shards concurrently.
+        opaque_globals: extra pickle globals to keep as inert placeholders (client state).
+        hooks: progress callbacks.
+
+    Returns:
+        The committed manifest (for ``dry_run``, the manifest that would be written).
+
+    Raises:
+        UCFormatError: any problem with the source or the destination (one-line message).
+
+    Example:
+        >>> manifest = ucformat.convert("runs/gpt/global_step800", "ckpt.ucf")  # doctest: +SKIP
+    """
+    hooks = hooks or ConvertHooks()
+    with read_deepspeed_checkpoint(Path(src), tag, _pickle_policy(opaque_globals)) as source:
+        plan = plan_convert(source, _options(chunk_bytes, shard_bytes, compressor))
+        if hooks.on_plan is not None:
+            hooks.on_plan(plan)
+        if dry_run:
+            return plan.manifest
+        store = open_store(dst, read_only=False)
+        created = _prepare_destination(store, overwrite)
+        try:
+            zarr.create_group(
+                store,
+                overwrite=True,
+                zarr_format=3,
+                attributes={FORMAT_NAME: {"format_version": FORMAT_VERSION, "manifest": MANIFEST_KEY}},
+            )
+            arrays = create_arrays(store, plan)
+            write_units(plan, arrays, plan.units, workers=workers, progress=hooks.on_bytes)
+        except BaseException:
+            if created and isinstance(store, LocalStore):
+                shutil.rmtree(store.root, ignore_errors=True)
+            raise
+        return commit_manifest(store, plan.manifest)
+
+
+def _options(chunk_bytes: int | None, shard_bytes: int | None, compressor: str) -> ConvertOptions:
+    default = ChunkPolicy()
+    chunk = chunk_bytes or default.chunk_bytes
+    shard = shard_bytes or max(default.shard_bytes, chunk)
+    if compressor not in ("none", "zstd"):
+        raise ValueError(f"compressor must be 'none' or 'zstd', got {compressor!r}")
+    return ConvertOptions(policy=ChunkPolicy(chunk, shard), compressor=compressor)
+
+
+def _pickle_policy(opaque_globals: Iterable[str]) -> PicklePolicy:
+    names = frozenset(opaque_globals)
+    return PicklePolicy(opaque_globals=names - {"*"}, all_unknown_opaque="*" in names)
+
+
+def _prepare_destination(store: Store, overwrite: bool) -> bool:
+    """Make ``store`` empty; return True if it did not exist before (local stores)."""
+    if isinstance(store, LocalStore):
+        root = Path(store.root)
+        if root.exists() and not root.is_dir():
+            raise StoreExistsError(f"{root}: exists and is a file; choose another destination.")
+        if not root.exists() or not any(root.iterdir()):
+            return not root.exists()
+        names = {p.name for p in root.iterdir()}
+        if not overwrite:
+            raise StoreExistsError(
+                f"{root}: already exists and is not empty; pass --overwrite to replace it."
+            )
+        if not names & {MANIFEST_KEY, "zarr.json"}:
+            raise StoreExistsError(
+                f"{root}: exists and is not a ucformat store (no zarr.json or {MANIFEST_KEY}); "
+                "refusing to overwrite it. Choose an empty or new destination."
+            )
+        delete_key(store, MANIFEST_KEY)  # uncommit first: a crash below leaves it incomplete
+        for child in root.iterdir():
+            if child.is_dir():
+                shutil.rmtree(child)
+            else:
+                child.unlink()
+        return False
+    keys = list_keys(store)
+    if keys and not overwrite:
+        raise StoreExistsError(f"{store}: already holds data; pass --overwrite to replace it.")
+    if keys:
+        delete_key(store, MANIFEST_KEY)
+        for key in keys:
+            delete_key(store, key)
+    return False

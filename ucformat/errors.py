@@ -1,0 +1,108 @@
+"""The one error hierarchy of ucformat.
+
+Every error a user can cause derives from :class:`UCFormatError`. Messages are part of the API:
+each says what was expected, what was found, and what to do, on a single line, so that the CLI
+can print ``error: <message>`` and exit with code 2.
+
+Dual inheritance follows zarr's ``errors.py``: callers may catch either the ucformat class or the
+matching builtin (``KeyError``, ``FileNotFoundError``).
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "ChunkMissingError",
+    "CorruptDataError",
+    "CoverageError",
+    "IncompleteStoreError",
+    "LayoutMismatchError",
+    "ManifestError",
+    "ModelMismatchError",
+    "NotACheckpointError",
+    "ParamNotFoundError",
+    "SourceNotFoundError",
+    "StoreExistsError",
+    "TruncatedFileError",
+    "UCFormatError",
+    "UnsafePickleError",
+    "UnsupportedCheckpointError",
+    "UnsupportedVersionError",
+]
+
+
+class UCFormatError(ValueError):
+    """Base class of every error ucformat raises on purpose."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(" ".join(message.split()))
+
+    @property
+    def message(self) -> str:
+        """The one-line message."""
+        return str(self.args[0])
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class SourceNotFoundError(UCFormatError, FileNotFoundError):
+    """The source path (or a file it must contain) does not exist."""
+
+
+class NotACheckpointError(UCFormatError):
+    """The source exists but is not a DeepSpeed ZeRO checkpoint."""
+
+
+class UnsupportedCheckpointError(UCFormatError):
+    """A DeepSpeed checkpoint of a kind ucformat cannot convert (e.g. tensor parallelism)."""
+
+
+class TruncatedFileError(UCFormatError):
+    """A shard file is cut short or its zip container is damaged."""
+
+
+class UnsafePickleError(UCFormatError):
+    """A pickle references a global that is not on the allow-list; nothing was executed."""
+
+
+class LayoutMismatchError(UCFormatError):
+    """Shard contents disagree with the ZeRO layout implied by ``param_shapes``."""
+
+
+class CoverageError(UCFormatError):
+    """Fragments do not tile a parameter exactly (hole, overlap or overflow)."""
+
+
+class ManifestError(UCFormatError):
+    """The manifest is missing, unparsable, or fails validation."""
+
+
+class UnsupportedVersionError(ManifestError):
+    """The store was written by a newer, incompatible format version."""
+
+
+class IncompleteStoreError(ManifestError, FileNotFoundError):
+    """The store has no committed manifest (an interrupted or running convert)."""
+
+
+class StoreExistsError(UCFormatError, FileExistsError):
+    """The destination already holds data and overwriting was not requested."""
+
+
+class ParamNotFoundError(UCFormatError, KeyError):
+    """A parameter name or state key is not in the checkpoint."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return self.message
+
+
+class ChunkMissingError(UCFormatError, FileNotFoundError):
+    """A chunk the manifest promises is absent from the store."""
+
+
+class CorruptDataError(UCFormatError):
+    """Stored bytes fail their checksum or cannot be decoded."""
+
+
+class ModelMismatchError(UCFormatError):
+    """The target model's parameters do not match the checkpoint's."""

@@ -1,0 +1,228 @@
+"""The manifest: pydantic models of everything a ucformat store holds besides tensor bytes.
+
+The manifest is data. It is written as JSON (``ucformat.json``) in the store root, validated
+on read with ``extra="forbid"``, and versioned by ``format_version``. Its JSON schema is
+generated from these models into ``schemas/manifest.schema.json``.
+
+Values that come from Python training state (hyper-parameters, scheduler state, client state)
+are kept exact with the tagged encoding of :mod:`ucformat.pyvalue`; such fields are typed
+``JsonValue`` here.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, JsonValue, field_validator, model_validator
+
+from ucformat.spec import FORMAT_NAME, FORMAT_VERSION
+
+__all__ = [
+    "ArrayRef",
+    "BufferEntry",
+    "CheckpointManifest",
+    "ClientState",
+    "LossScaler",
+    "OptimizerGroup",
+    "OptimizerInfo",
+    "ParamEntry",
+    "ScalarState",
+    "SourceFile",
+    "SourceInfo",
+    "TrainingProgress",
+]
+
+#: Must list exactly :data:`ucformat.dtypes.DTYPE_NAMES` (a unit test checks this).
+DTypeName = Literal[
+    "float64", "float32", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8", "bool"
+]
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ArrayRef(_Model):
+    """One zarr array of the store: where a state's values live and how they are chunked."""
+
+    path: str = Field(description="Array path relative to the store root, e.g. 'params/w/fp32'.")
+    dtype: DTypeName = Field(description="Logical dtype of the stored values.")
+    shape: list[int] = Field(description="Array shape: the parameter's (or buffer's) real shape.")
+    chunk_shape: list[int] = Field(description="Inner chunk shape: the unit of reads and checksums.")
+    shard_shape: list[int] = Field(description="Shard shape: the unit of storage objects and writes.")
+    nbytes: int = Field(ge=0, description="Uncompressed size of the values in bytes.")
+    compressor: Literal["none", "zstd"] = "none"
+
+
+class ScalarState(_Model):
+    """A 0-d optimizer state (e.g. Adam's ``step``), kept in the manifest with its original type."""
+
+    kind: Literal["int", "float", "bool", "tensor"] = Field(
+        description="'tensor' is a 0-d torch tensor (torch Adam's float32 step); else a Python value."
+    )
+    value: int | float | bool
+    dtype: DTypeName | None = Field(default=None, description="Tensor dtype when kind is 'tensor'.")
+
+
+class ParamEntry(_Model):
+    """A model parameter: its identity, training metadata and the arrays holding its states."""
+
+    shape: list[int]
+    dtype: DTypeName = Field(description="The parameter's dtype in the training module (lp dtype).")
+    requires_grad: bool
+    group: int | None = Field(description="Index of its optimizer param group; None if frozen.")
+    states: dict[str, ArrayRef] = Field(
+        description="State name -> array. 'fp32' is the fp32 master weight (frozen params: the "
+        "stored value in its original dtype); other keys are the optimizer's own."
+    )
+    scalars: dict[str, ScalarState] = Field(
+        default_factory=dict, description="0-d optimizer states, e.g. 'step'."
+    )
+    aliases: list[str] = Field(
+        default_factory=list, description="Tied names that share this parameter's storage."
+    )
+
+    @property
+    def numel(self) -> int:
+        """Number of elements."""
+        total = 1
+        for dim in self.shape:
+            total *= dim
+        return total
+
+
+class BufferEntry(_Model):
+    """A persistent module buffer (e.g. BatchNorm running stats), stored in its own dtype."""
+
+    shape: list[int]
+    dtype: DTypeName
+    array: ArrayRef
+
+
+class OptimizerGroup(_Model):
+    """One optimizer param group: hyper-parameters and members in flattening order."""
+
+    params: list[str]
+    hyperparams: dict[str, JsonValue] = Field(
+        description="Every param-group key except 'params', exact (see ucformat.pyvalue)."
+    )
+
+
+class OptimizerInfo(_Model):
+    """The optimizer whose state the store holds."""
+
+    name: str = Field(description="Best knowledge of the optimizer class, e.g. 'FusedAdam'.")
+    adam_w_mode: bool | None = Field(
+        default=None, description="Whether the Adam math is AdamW (decoupled weight decay)."
+    )
+    state_keys: list[str] = Field(description="Array-valued per-element state keys.")
+    scalar_keys: list[str] = Field(description="0-d state keys, e.g. ['step'].")
+    groups: list[OptimizerGroup]
+
+
+class LossScaler(_Model):
+    """fp16 loss-scaler state (static scalers are recorded too, with scale 1.0)."""
+
+    class_name: str
+    dynamic: bool
+    cur_scale: float
+    attributes: dict[str, JsonValue]
+
+
+class TrainingProgress(_Model):
+    """Counters and small training-loop state."""
+
+    global_steps: int = 0
+    global_samples: int = 0
+    skipped_steps: int = 0
+    lr_scheduler: JsonValue = None
+    loss_scaler: LossScaler | None = None
+    dynamic_loss_scale: bool | None = None
+    overflow: bool | None = None
+    clip_grad: float | None = None
+
+
+class ClientState(_Model):
+    """The client state saved with the checkpoint."""
+
+    values: dict[str, JsonValue] = Field(
+        default_factory=dict, description="Keys whose values have an exact JSON form."
+    )
+    unrepresentable: dict[str, str] = Field(
+        default_factory=dict, description="Key -> type of values that could not be kept."
+    )
+
+
+class SourceFile(_Model):
+    """A file of the source checkpoint."""
+
+    name: str
+    size: int
+
+
+class SourceInfo(_Model):
+    """Provenance: the checkpoint the store was converted from."""
+
+    framework: Literal["deepspeed"] = "deepspeed"
+    framework_version: str
+    path: str
+    tag: str
+    zero_stage: int = Field(ge=1, le=3)
+    world_size: int = Field(ge=1, description="Data-parallel world size that wrote the shards.")
+    train_dtype: DTypeName
+    optimizer_wrapper: str
+    sub_groups: int | None = Field(default=None, description="ZeRO-3 sub-group count.")
+    files: list[SourceFile]
+    ds_config: JsonValue = None
+
+
+class CheckpointManifest(_Model):
+    """Root of ``ucformat.json``."""
+
+    format: Literal["ucformat"] = FORMAT_NAME
+    format_version: str = FORMAT_VERSION
+    created_by: str
+    source: SourceInfo
+    params: dict[str, ParamEntry] = Field(
+        description="fqn -> parameter, in module order. Tied aliases are not keys here."
+    )
+    tied: dict[str, str] = Field(default_factory=dict, description="alias fqn -> owner fqn.")
+    buffers: dict[str, BufferEntry] = Field(default_factory=dict)
+    optimizer: OptimizerInfo | None = None
+    progress: TrainingProgress = Field(default_factory=TrainingProgress)
+    client_state: ClientState = Field(default_factory=ClientState)
+    digest: str | None = Field(
+        default=None, description="sha256 of the canonical manifest JSON without this field."
+    )
+
+    @field_validator("format_version")
+    @classmethod
+    def _check_version_syntax(cls, value: str) -> str:
+        major, _, minor = value.partition(".")
+        if not (major.isdigit() and minor.isdigit()):
+            raise ValueError(f"format_version must look like '1.0', got {value!r}")
+        return value
+
+    @model_validator(mode="after")
+    def _check_references(self) -> CheckpointManifest:
+        for alias, owner in self.tied.items():
+            if owner not in self.params:
+                raise ValueError(f"tied alias {alias!r} points to unknown param {owner!r}")
+            if alias in self.params:
+                raise ValueError(f"tied alias {alias!r} is also listed as a param")
+        if self.optimizer is not None:
+            for index, group in enumerate(self.optimizer.groups):
+                for name in group.params:
+                    entry = self.params.get(name)
+                    if entry is None:
+                        raise ValueError(f"optimizer group {index} lists unknown param {name!r}")
+                    if entry.group != index:
+                        raise ValueError(
+                            f"param {name!r} is in optimizer group {index} but records "
+                            f"group {entry.group}"
+                        )
+        return self
+
+    def resolve(self, name: str) -> str:
+        """Return the owner fqn of ``name`` (itself unless it is a tied alias)."""
+        return self.tied.get(name, name)

@@ -1,0 +1,186 @@
+"""Plan a conversion: which arrays to create and which bytes fill each shard. No I/O.
+
+:func:`plan_convert` turns a :class:`~ucformat.sources.base.SourceCheckpoint` into a frozen
+:class:`ConvertPlan`:
+
+1. one :class:`~ucformat.models.ArrayRef` per (parameter, state) and per buffer, with chunk and
+   shard shapes from :func:`~ucformat.layout.chunking.choose_chunking`;
+2. a proof that every array's source fragments tile it exactly (no hole, overlap or overflow);
+3. one :class:`WriteUnit` per shard: the shard's region and the :class:`CopyItem` runs that fill
+   it. Shards are flat-contiguous, so a unit is a flat range of the array, and each unit is
+   written once by exactly one writer: units can be spread over threads, processes or hosts.
+4. the manifest to commit once every unit is written.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+from collections.abc import Iterator
+from dataclasses import dataclass
+from math import prod
+
+from ucformat._version import __version__
+from ucformat.dtypes import itemsize
+from ucformat.layout.chunking import ChunkPolicy, choose_chunking
+from ucformat.layout.ranges import check_tiling
+from ucformat.models import ArrayRef, BufferEntry, CheckpointManifest, ParamEntry
+from ucformat.sources.base import ArraySource, SourceCheckpoint, SourceFragment
+from ucformat.spec import buffer_array_path, state_array_path
+
+__all__ = ["ConvertOptions", "ConvertPlan", "CopyItem", "WriteUnit", "plan_convert"]
+
+
+@dataclass(frozen=True)
+class ConvertOptions:
+    """How to lay the store out."""
+
+    policy: ChunkPolicy = ChunkPolicy()
+    compressor: str = "none"
+
+
+@dataclass(frozen=True)
+class CopyItem:
+    """Copy ``length`` elements from ``fragment.tensor[tensor_start:]`` to ``buffer[offset:]``."""
+
+    fragment: SourceFragment
+    tensor_start: int
+    offset: int
+    length: int
+
+
+@dataclass(frozen=True)
+class WriteUnit:
+    """One shard of one array: its region, its flat range and the copies that fill it."""
+
+    array: int
+    region: tuple[slice, ...]
+    flat_start: int
+    flat_stop: int
+    copies: tuple[CopyItem, ...]
+
+    @property
+    def numel(self) -> int:
+        """Elements in the region."""
+        return self.flat_stop - self.flat_start
+
+
+@dataclass(frozen=True)
+class ConvertPlan:
+    """Everything needed to write a store, decided up front."""
+
+    arrays: tuple[ArrayRef, ...]
+    units: tuple[WriteUnit, ...]
+    manifest: CheckpointManifest
+
+    @property
+    def nbytes(self) -> int:
+        """Uncompressed bytes the plan writes."""
+        return sum(ref.nbytes for ref in self.arrays)
+
+
+def plan_convert(source: SourceCheckpoint, options: ConvertOptions) -> ConvertPlan:
+    """Plan the conversion of ``source``; raises CoverageError if any array would have a hole."""
+    arrays: list[ArrayRef] = []
+    sources: list[ArraySource] = []
+
+    def add(path: str, array: ArraySource, what: str) -> ArrayRef:
+        check_tiling(what, array.numel, ((f.start, f.start + f.length) for f in array.fragments))
+        chunking = choose_chunking(array.shape, itemsize(array.dtype), options.policy)
+        ref = ArrayRef(
+            path=path,
+            dtype=array.dtype,  # type: ignore[arg-type]
+            shape=list(array.shape),
+            chunk_shape=list(chunking.chunk_shape),
+            shard_shape=list(chunking.shard_shape),
+            nbytes=array.numel * itemsize(array.dtype),
+            compressor=options.compressor,  # type: ignore[arg-type]
+        )
+        arrays.append(ref)
+        sources.append(array)
+        return ref
+
+    aliases: dict[str, list[str]] = {}
+    for alias, owner in source.tied.items():
+        aliases.setdefault(owner, []).append(alias)
+    params: dict[str, ParamEntry] = {}
+    for name, param in source.params.items():
+        states = {
+            state: add(state_array_path(name, state), array, f"param '{name}' state '{state}'")
+            for state, array in param.arrays.items()
+        }
+        params[name] = ParamEntry(
+            shape=list(param.shape),
+            dtype=param.dtype,  # type: ignore[arg-type]
+            requires_grad=param.requires_grad,
+            group=param.group,
+            states=states,
+            scalars=param.scalars,
+            aliases=aliases.get(name, []),
+        )
+    buffers = {
+        name: BufferEntry(
+            shape=list(array.shape),
+            dtype=array.dtype,  # type: ignore[arg-type]
+            array=add(buffer_array_path(name), array, f"buffer '{name}'"),
+        )
+        for name, array in source.buffers.items()
+    }
+    tied = {alias: owner for alias, owner in source.tied.items() if owner in params}
+    manifest = CheckpointManifest(
+        created_by=f"ucformat {__version__}",
+        source=source.source,
+        params=params,
+        tied=tied,
+        buffers=buffers,
+        optimizer=source.optimizer,
+        progress=source.progress,
+        client_state=source.client_state,
+    )
+    units = tuple(
+        unit
+        for index, (ref, array) in enumerate(zip(arrays, sources, strict=True))
+        for unit in _units(index, ref, array)
+    )
+    return ConvertPlan(tuple(arrays), units, manifest)
+
+
+def shard_regions(shape: list[int], shard_shape: list[int]) -> Iterator[tuple[slice, ...]]:
+    """Every shard's region (clipped to the array), in row-major shard order."""
+    if not shape:
+        yield ()
+        return
+    if prod(shape) == 0:
+        return
+    ranges = [range(0, dim, step) for dim, step in zip(shape, shard_shape, strict=True)]
+    for corner in itertools.product(*ranges):
+        yield tuple(
+            slice(start, min(start + step, dim))
+            for start, step, dim in zip(corner, shard_shape, shape, strict=True)
+        )
+
+
+def _flat_start(shape: list[int], region: tuple[slice, ...]) -> int:
+    offset = 0
+    for dim, piece in zip(shape, region, strict=True):
+        offset = offset * dim + piece.start
+    return offset
+
+
+def _units(index: int, ref: ArrayRef, array: ArraySource) -> Iterator[WriteUnit]:
+    fragments = sorted(array.fragments, key=lambda f: f.start)
+    starts = [f.start for f in fragments]
+    for region in shard_regions(ref.shape, ref.shard_shape):
+        start = _flat_start(ref.shape, region)
+        stop = start + prod(s.stop - s.start for s in region)
+        first = max(0, bisect.bisect_right(starts, start) - 1)
+        copies: list[CopyItem] = []
+        for fragment in fragments[first:]:
+            if fragment.start >= stop:
+                break
+            lo, hi = max(start, fragment.start), min(stop, fragment.start + fragment.length)
+            if lo < hi:
+                copies.append(
+                    CopyItem(fragment, fragment.tensor_start + lo - fragment.start, lo - start, hi - lo)
+                )
+        yield WriteUnit(index, region, start, stop, tuple(copies))

@@ -1,0 +1,105 @@
+"""Lossless JSON encoding of the plain Python values found in training state.
+
+Optimizer hyper-parameters, scheduler state and client state are mostly JSON already, but not
+quite: ``betas`` is a tuple, a scheduler may hold ``inf``, a dict may have int keys. This codec
+keeps them exact with a few tagged objects, so that ``decode(encode(x)) == x`` with the same
+types::
+
+    tuple            -> {"$tuple": [...]}
+    float nan/±inf   -> {"$float": "nan" | "inf" | "-inf"}
+    dict, non-str keys (or a key starting with "$")
+                     -> {"$dict": [[key, value], ...]}
+    torch.dtype      -> {"$dtype": "bfloat16"}
+    0-d torch tensor -> {"$scalar_tensor": {"dtype": "float32", "value": 4.0}}
+
+Anything else (objects, non-scalar tensors, bytes) is not representable; :func:`encode` raises
+:class:`NotRepresentable`, and callers record such values by key and type instead.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from ucformat.dtypes import dtype_name, torch_dtype
+
+__all__ = ["NotRepresentable", "decode", "describe_type", "encode", "try_encode"]
+
+JSON = Any
+
+
+class NotRepresentable(TypeError):
+    """The value has no lossless JSON form; its type is in the message."""
+
+
+def encode(value: Any) -> JSON:
+    """Encode ``value`` as JSON-compatible data, exactly reversible by :func:`decode`."""
+    if value is None or isinstance(value, (bool, str)):
+        return value
+    if isinstance(value, int):
+        return int(value)
+    if isinstance(value, float):
+        if math.isfinite(value):
+            return float(value)
+        return {"$float": "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")}
+    if isinstance(value, tuple):
+        return {"$tuple": [encode(v) for v in value]}
+    if isinstance(value, list):
+        return [encode(v) for v in value]
+    if isinstance(value, dict):
+        if all(isinstance(k, str) and not k.startswith("$") for k in value):
+            return {k: encode(v) for k, v in value.items()}
+        return {"$dict": [[encode(k), encode(v)] for k, v in value.items()]}
+    if isinstance(value, torch.dtype):
+        return {"$dtype": dtype_name(value)}
+    if isinstance(value, torch.Tensor) and value.dim() == 0:
+        return {"$scalar_tensor": {"dtype": dtype_name(value.dtype), "value": encode(value.item())}}
+    raise NotRepresentable(describe_type(value))
+
+
+def try_encode(value: Any) -> tuple[bool, JSON]:
+    """Return ``(True, encoded)`` or ``(False, type description)``."""
+    try:
+        return True, encode(value)
+    except NotRepresentable as exc:
+        return False, str(exc)
+
+
+def decode(data: JSON) -> Any:
+    """Invert :func:`encode`."""
+    if isinstance(data, list):
+        return [decode(v) for v in data]
+    if not isinstance(data, dict):
+        return data
+    if len(data) == 1:
+        ((tag, body),) = data.items()
+        if tag == "$tuple":
+            return tuple(decode(v) for v in body)
+        if tag == "$float":
+            return float(body)
+        if tag == "$dict":
+            return {_hashable(decode(k)): decode(v) for k, v in body}
+        if tag == "$dtype":
+            return torch_dtype(body)
+        if tag == "$scalar_tensor":
+            return torch.tensor(decode(body["value"]), dtype=torch_dtype(body["dtype"]))
+    return {k: decode(v) for k, v in data.items()}
+
+
+def _hashable(key: Any) -> Any:
+    return tuple(key) if isinstance(key, list) else key
+
+
+def describe_type(value: Any) -> str:
+    """A short type description for values that cannot be encoded (e.g. ``Tensor[float32, (3, 4)]``)."""
+    if isinstance(value, torch.Tensor) or (hasattr(value, "dtype") and hasattr(value, "shape")):
+        dtype = value.dtype
+        name = dtype_name(dtype) if isinstance(dtype, torch.dtype) else str(dtype)
+        return f"Tensor[{name}, {tuple(value.shape)}]"
+    qualname = getattr(value, "ucformat_qualname", None)
+    if qualname is not None:
+        return str(qualname)
+    cls = type(value)
+    return f"{cls.__module__}.{cls.__qualname__}" if cls.__module__ != "builtins" else cls.__name__

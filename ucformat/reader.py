@@ -1,0 +1,153 @@
+"""``ucformat.open``: a committed store, read lazily by parameter, state and flat range.
+
+A flat range ``[start, stop)`` of a parameter maps to at most ``2 * ndim - 1`` boxes of its
+array (:func:`~ucformat.layout.ranges.flat_range_to_boxes`); zarr fetches only the inner chunks
+those boxes touch. Every byte fetched is counted in :attr:`UniversalCheckpoint.stats`.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import numpy as np
+import torch
+import zarr
+from zarr.abc.store import Store
+
+from ucformat.dtypes import numpy_storage_dtype, storage_to_torch, torch_dtype
+from ucformat.errors import ParamNotFoundError
+from ucformat.layout.ranges import flat_range_to_boxes
+from ucformat.manifest_io import read_manifest
+from ucformat.models import ArrayRef, CheckpointManifest, ScalarState
+from ucformat.spec import FP32_STATE
+from ucformat.zarr_io import CheckedStore, IOStats, StoreLike, open_array, open_store, read_box
+
+__all__ = ["BUFFER_STATE", "UniversalCheckpoint", "open_checkpoint", "scalar_value"]
+
+#: The state name under which :meth:`UniversalCheckpoint.read` returns a buffer.
+BUFFER_STATE = "buffer"
+
+
+def open_checkpoint(store: StoreLike) -> UniversalCheckpoint:
+    """Open a committed ucformat store for reading.
+
+    Args:
+        store: a local path, an fsspec URL, or a zarr ``Store``.
+
+    Raises:
+        IncompleteStoreError: the store has no committed manifest.
+        UnsupportedVersionError: the store is from a newer format major version.
+        ManifestError: the manifest is damaged, invalid or edited.
+
+    Example:
+        >>> ckpt = ucformat.open("ckpt.ucf")  # doctest: +SKIP
+        >>> ckpt.read("layers.0.weight", "exp_avg").shape  # doctest: +SKIP
+        torch.Size([10, 10])
+    """
+    base = open_store(store, read_only=True)
+    checked = CheckedStore(base)
+    manifest = read_manifest(checked, str(store))
+    return UniversalCheckpoint(checked, manifest, str(store))
+
+
+def scalar_value(scalar: ScalarState) -> Any:
+    """The Python value of a scalar state, with its original type (0-d tensor, int, float)."""
+    if scalar.kind == "tensor":
+        return torch.tensor(scalar.value, dtype=torch_dtype(scalar.dtype or "float32"))
+    if scalar.kind == "int":
+        return int(scalar.value)
+    if scalar.kind == "bool":
+        return bool(scalar.value)
+    return float(scalar.value)
+
+
+class UniversalCheckpoint:
+    """A committed ucformat store opened for reading."""
+
+    def __init__(self, store: CheckedStore, manifest: CheckpointManifest, where: str) -> None:
+        self.store: Store = store
+        self.manifest = manifest
+        self.where = where
+        self.stats: IOStats = store.stats
+        self._arrays: dict[str, zarr.Array[Any]] = {}
+        self._lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        source = self.manifest.source
+        return (
+            f"<UniversalCheckpoint {self.where}: {len(self.manifest.params)} params, "
+            f"ZeRO-{source.zero_stage} x{source.world_size} {source.train_dtype}>"
+        )
+
+    # --- lookup -------------------------------------------------------------------------------
+    def array_ref(self, name: str, state: str) -> ArrayRef:
+        """The array holding ``state`` of parameter (or buffer) ``name``."""
+        if state == BUFFER_STATE:
+            buffer = self.manifest.buffers.get(name)
+            if buffer is None:
+                raise ParamNotFoundError(
+                    f"'{name}' is not a buffer of this checkpoint "
+                    f"({len(self.manifest.buffers)} buffers; see 'ucformat inspect')."
+                )
+            return buffer.array
+        entry = self.manifest.params.get(self.manifest.resolve(name))
+        if entry is None:
+            raise ParamNotFoundError(
+                f"'{name}' is not a parameter of this checkpoint "
+                f"({len(self.manifest.params)} params; see 'ucformat inspect')."
+            )
+        ref = entry.states.get(state)
+        if ref is None:
+            available = sorted([*entry.states, *entry.scalars])
+            raise ParamNotFoundError(
+                f"parameter '{name}' has no state '{state}'; it has {', '.join(available)}."
+            )
+        return ref
+
+    def _array(self, ref: ArrayRef) -> zarr.Array[Any]:
+        with self._lock:
+            array = self._arrays.get(ref.path)
+            if array is None:
+                array = self._arrays[ref.path] = open_array(self.store, ref.path)
+            return array
+
+    # --- reads --------------------------------------------------------------------------------
+    def read(self, name: str, state: str) -> Any:
+        """The full value of ``state`` of ``name`` in the parameter's shape.
+
+        ``"fp32"`` is the fp32 master weight (frozen parameters: their value upcast to fp32);
+        optimizer states keep the optimizer's key names; scalar states such as ``"step"``
+        come back with their original type; buffers are read with state ``"buffer"``.
+        """
+        if state != BUFFER_STATE:
+            entry = self.manifest.params.get(self.manifest.resolve(name))
+            if entry is not None and state in entry.scalars:
+                return scalar_value(entry.scalars[state])
+        ref = self.array_ref(name, state)
+        numel = int(np.prod(ref.shape, dtype=np.int64))
+        flat = self.read_range(name, state, 0, numel) if numel else self._empty(ref, state)
+        return flat.reshape(ref.shape)
+
+    def _empty(self, ref: ArrayRef, state: str) -> torch.Tensor:
+        dtype = torch.float32 if state == FP32_STATE else torch_dtype(ref.dtype)
+        return torch.empty(0, dtype=dtype)
+
+    def read_range(self, name: str, state: str, start: int, stop: int) -> torch.Tensor:
+        """Flat elements ``[start, stop)`` of ``state`` of ``name`` as a 1-D tensor."""
+        ref = self.array_ref(name, state)
+        out = np.empty(stop - start, dtype=numpy_storage_dtype(ref.dtype))
+        self.read_range_into(ref, start, stop, out)
+        tensor = storage_to_torch(out, ref.dtype)
+        if state == FP32_STATE and tensor.dtype != torch.float32:
+            tensor = tensor.to(torch.float32)
+        return tensor
+
+    def read_range_into(self, ref: ArrayRef, start: int, stop: int, out: np.ndarray) -> None:
+        """Fill ``out`` (storage dtype, length ``stop - start``) with flat elements of ``ref``."""
+        array = self._array(ref)
+        position = 0
+        for box in flat_range_to_boxes(ref.shape, start, stop):
+            values = read_box(array, box).reshape(-1)
+            out[position : position + values.size] = values
+            position += values.size

@@ -1,0 +1,1 @@
+"""Readers of foreign checkpoint formats. Only this package unpickles files."""

@@ -1,0 +1,116 @@
+"""What a source reader produces: a format-neutral description of a checkpoint.
+
+A reader (today only DeepSpeed ZeRO) opens its files, decodes their metadata and describes, for
+every array the store will hold, which runs of which on-disk tensors fill which flat ranges of
+it. No tensor bytes are read here; the converter's planner and writer do that.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ucformat.dtypes import dtype_name
+from ucformat.models import (
+    ClientState,
+    OptimizerInfo,
+    ScalarState,
+    SourceInfo,
+    TrainingProgress,
+)
+from ucformat.pyvalue import describe_type
+from ucformat.sources.torchfile import TensorRef, TorchFile
+
+__all__ = [
+    "ArraySource",
+    "SourceCheckpoint",
+    "SourceFragment",
+    "SourceParam",
+    "scalar_state",
+]
+
+
+@dataclass(frozen=True)
+class SourceFragment:
+    """Flat elements ``[start, start + length)`` of an array come from ``tensor[tensor_start:]``."""
+
+    tensor: TensorRef
+    tensor_start: int
+    start: int
+    length: int
+
+
+@dataclass
+class ArraySource:
+    """One array to write: its shape, dtype and the fragments that fill it."""
+
+    shape: tuple[int, ...]
+    dtype: str
+    fragments: list[SourceFragment] = field(default_factory=list)
+
+    @property
+    def numel(self) -> int:
+        """Number of elements."""
+        total = 1
+        for dim in self.shape:
+            total *= dim
+        return total
+
+
+@dataclass
+class SourceParam:
+    """A parameter of the source model with its state arrays and scalars."""
+
+    shape: tuple[int, ...]
+    dtype: str
+    requires_grad: bool
+    group: int | None
+    arrays: dict[str, ArraySource] = field(default_factory=dict)
+    scalars: dict[str, ScalarState] = field(default_factory=dict)
+
+
+@dataclass
+class SourceCheckpoint:
+    """A whole source checkpoint, described but not yet read."""
+
+    source: SourceInfo
+    params: dict[str, SourceParam]
+    buffers: dict[str, ArraySource]
+    tied: dict[str, str]
+    optimizer: OptimizerInfo | None
+    progress: TrainingProgress
+    client_state: ClientState
+    files: list[TorchFile] = field(default_factory=list, repr=False)
+
+    def close(self) -> None:
+        """Close every open source file."""
+        for handle in self.files:
+            handle.close()
+
+    def __enter__(self) -> SourceCheckpoint:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def scalar_state(value: Any, where: str) -> ScalarState:
+    """Describe a 0-d optimizer state (python number or 0-d tensor) exactly.
+
+    Raises:
+        TypeError: ``value`` is neither (the message names ``where``).
+    """
+    if isinstance(value, bool):
+        return ScalarState(kind="bool", value=value)
+    if isinstance(value, int):
+        return ScalarState(kind="int", value=value)
+    if isinstance(value, float):
+        return ScalarState(kind="float", value=value)
+    if isinstance(value, TensorRef) and value.numel == 1 and not value.shape:
+        tensor = value.load()
+        return ScalarState(kind="tensor", value=tensor.item(), dtype=dtype_name(tensor.dtype))
+    if isinstance(value, torch.Tensor) and value.dim() == 0:
+        return ScalarState(kind="tensor", value=value.item(), dtype=dtype_name(value.dtype))
+    raise TypeError(f"{where}: expected a scalar optimizer state, found {describe_type(value)}")

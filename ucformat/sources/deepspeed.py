@@ -1,0 +1,345 @@
+"""Read a DeepSpeed ZeRO-1/2/3 checkpoint into a :class:`~ucformat.sources.base.SourceCheckpoint`.
+
+Needs neither DeepSpeed nor code execution: files are decoded by the restricted unpickler of
+:mod:`ucformat.sources.safe_unpickle` and tensors stay on disk until the writer copies them.
+Layout facts are those of DeepSpeed 0.19.8 (docs/format.md, "Sources").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from math import prod
+from pathlib import Path
+from typing import Any
+
+from ucformat.dtypes import dtype_name
+from ucformat.errors import LayoutMismatchError, NotACheckpointError, UCFormatError
+from ucformat.layout.partition import PerParamLayout
+from ucformat.models import (
+    ClientState,
+    LossScaler,
+    OptimizerGroup,
+    OptimizerInfo,
+    SourceFile,
+    SourceInfo,
+    TrainingProgress,
+)
+from ucformat.pyvalue import encode, try_encode
+from ucformat.sources.base import ArraySource, SourceCheckpoint, SourceFragment, SourceParam
+from ucformat.sources.deepspeed_files import ZeroFiles, find_zero_files, locate_tag_folder
+from ucformat.sources.deepspeed_states import FP32, FlatStates, read_zero3_states, read_zero12_states
+from ucformat.sources.safe_unpickle import PicklePolicy, StandIn
+from ucformat.sources.torchfile import TensorRef, TorchFile, open_torch_file
+
+__all__ = ["read_deepspeed_checkpoint"]
+
+#: Top-level model-states keys DeepSpeed itself writes; every other key is client state.
+DEEPSPEED_KEYS = frozenset(
+    {
+        "module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes",
+        "shared_params", "frozen_param_fragments", "lr_scheduler", "data_sampler", "random_ltd",
+        "sparse_tensor_module_names", "skipped_steps", "global_steps", "global_samples",
+        "dp_world_size", "mp_world_size", "ds_config", "ds_version",
+        "checkpoint_parallel_dimensions",
+    }
+)  # fmt: skip
+_REQUIRED_KEYS = ("module", "param_shapes", "dp_world_size")
+
+
+def read_deepspeed_checkpoint(
+    src: Path, tag: str | None = None, policy: PicklePolicy | None = None
+) -> SourceCheckpoint:
+    """Open and describe a DeepSpeed ZeRO checkpoint (tag folder or run folder with ``latest``).
+
+    The returned object holds open file handles; close it (or use it as a context manager).
+    """
+    folder, tag_name = locate_tag_folder(Path(src), tag)
+    files = find_zero_files(folder, tag_name)
+    handles: list[TorchFile] = []
+    try:
+        models = [_open(p, policy, handles) for p in files.model_files]
+        optim = [_open(p, policy, handles) for p in files.optim_files]
+        return _describe(files, models, optim, handles)
+    except BaseException:
+        for handle in handles:
+            handle.close()
+        raise
+
+
+def _open(path: Path, policy: PicklePolicy | None, handles: list[TorchFile]) -> TorchFile:
+    handle = open_torch_file(path, policy)
+    handles.append(handle)
+    return handle
+
+
+def _model_meta(handle: TorchFile) -> Mapping[str, Any]:
+    meta = handle.obj
+    missing = [k for k in _REQUIRED_KEYS if not isinstance(meta, Mapping) or k not in meta]
+    if missing:
+        raise NotACheckpointError(
+            f"{handle.path}: missing key(s) {', '.join(repr(k) for k in missing)}; not a "
+            "DeepSpeed ZeRO model-states file."
+        )
+    return meta
+
+
+def _describe(
+    files: ZeroFiles, models: list[TorchFile], optim: list[TorchFile], handles: list[TorchFile]
+) -> SourceCheckpoint:
+    meta = _model_meta(models[0])
+    world_size = files.world_size
+    if int(meta["dp_world_size"]) != world_size:
+        raise LayoutMismatchError(
+            f"{models[0].path}: dp_world_size is {meta['dp_world_size']} but the folder has "
+            f"{world_size} optimizer shards; files from different runs are mixed."
+        )
+    stage = _zero_stage(optim[0], files.per_rank_model_files)
+    if stage == 3:
+        flat = read_zero3_states(meta, optim, world_size)
+    else:
+        flat = read_zero12_states(meta, optim, world_size)
+    module: Mapping[str, Any] = meta["module"]
+    train_dtype = _train_dtype(meta.get("ds_config"))
+    tied = {str(a): str(o) for a, o in (meta.get("shared_params") or {}).items()}
+    buffer_names = [str(n) for n in meta.get("buffer_names") or []]
+    params = _trainable_params(flat, module, train_dtype)
+    params.update(_frozen_params(meta, models, stage, world_size, set(params), tied, buffer_names))
+    order = {name: i for i, name in enumerate(module)}
+    params = dict(sorted(params.items(), key=lambda kv: order.get(kv[0], len(order))))
+    buffers = {name: _whole(module[name], models[0], name) for name in buffer_names}
+    optimizer_state = optim[0].obj["optimizer_state_dict"]
+    source = SourceInfo(
+        framework_version=str(meta.get("ds_version", "unknown")),
+        path=str(files.folder.resolve()),
+        tag=files.tag,
+        zero_stage=stage,
+        world_size=world_size,
+        train_dtype=train_dtype,  # type: ignore[arg-type]
+        optimizer_wrapper=flat.wrapper,
+        sub_groups=flat.sub_groups,
+        files=[SourceFile(name=h.path.name, size=h.size) for h in handles],
+        ds_config=_encode_or_none(meta.get("ds_config")),
+    )
+    return SourceCheckpoint(
+        source=source,
+        params=params,
+        buffers=buffers,
+        tied=tied,
+        optimizer=_optimizer_info(flat, meta.get("ds_config")),
+        progress=_progress(meta, optimizer_state),
+        client_state=_client_state(meta),
+        files=handles,
+    )
+
+
+def _zero_stage(first_optim: TorchFile, per_rank_model_files: bool) -> int:
+    osd = first_optim.obj.get("optimizer_state_dict") if isinstance(first_optim.obj, Mapping) else None
+    if not isinstance(osd, Mapping):
+        raise NotACheckpointError(
+            f"{first_optim.path}: missing key 'optimizer_state_dict'; not a DeepSpeed ZeRO "
+            "optimizer shard."
+        )
+    stage = int(osd.get("zero_stage", 1))  # BF16_Optimizer files carry none: stage 1
+    if (stage == 3) != per_rank_model_files:
+        raise LayoutMismatchError(
+            f"{first_optim.path}: zero_stage is {stage}, but the model-states files are "
+            f"{'per rank (ZeRO-3)' if per_rank_model_files else 'single (ZeRO-1/2)'}; files "
+            "from different runs are mixed."
+        )
+    if stage not in (1, 2, 3):
+        raise NotACheckpointError(f"{first_optim.path}: unknown zero_stage {stage}.")
+    return stage
+
+
+def _train_dtype(ds_config: Any) -> str:
+    config = ds_config if isinstance(ds_config, Mapping) else {}
+    for key, name in (("bf16", "bfloat16"), ("bfloat16", "bfloat16"), ("fp16", "float16")):
+        section = config.get(key)
+        if isinstance(section, Mapping) and section.get("enabled"):
+            return name
+    return "float32"
+
+
+def _trainable_params(
+    flat: FlatStates, module: Mapping[str, Any], train_dtype: str
+) -> dict[str, SourceParam]:
+    params: dict[str, SourceParam] = {}
+    for name, group in flat.groups.items():
+        arrays = flat.arrays.get(name, {})
+        if FP32 not in arrays:
+            raise LayoutMismatchError(f"param '{name}': no shard holds any of its fp32 values.")
+        placeholder = module.get(name)
+        dtype = (
+            dtype_name(placeholder.dtype) if isinstance(placeholder, TensorRef) else train_dtype
+        )
+        params[name] = SourceParam(
+            shape=arrays[FP32].shape,
+            dtype=dtype,
+            requires_grad=True,
+            group=group,
+            arrays=arrays,
+            scalars=flat.scalars.get(name, {}),
+        )
+    return params
+
+
+def _frozen_params(
+    meta: Mapping[str, Any],
+    models: Sequence[TorchFile],
+    stage: int,
+    world_size: int,
+    trainable: set[str],
+    tied: Mapping[str, str],
+    buffer_names: Sequence[str],
+) -> dict[str, SourceParam]:
+    shapes = meta.get("frozen_param_shapes")
+    fragments = meta.get("frozen_param_fragments")
+    module: Mapping[str, Any] = meta["module"]
+    frozen: dict[str, SourceParam] = {}
+    if stage == 1 or shapes is None:
+        if stage == 3:
+            return frozen  # exclude_frozen_parameters: nothing saved
+        skip = trainable | set(tied) | set(buffer_names)
+        for name, value in module.items():
+            if name not in skip and isinstance(value, TensorRef):
+                frozen[name] = _frozen(_whole(value, models[0], name))
+        return frozen
+    for name, shape in shapes.items():
+        dims = tuple(int(d) for d in shape)
+        if stage == 2:
+            frozen[name] = _frozen(_whole(fragments[name], models[0], name, dims))
+            continue
+        layout = PerParamLayout.build([(name, prod(dims))], world_size)
+        pieces = [h.obj["frozen_param_fragments"][name] for h in models]
+        array = ArraySource(dims, dtype_name(pieces[0].dtype))
+        for frag in layout.all_fragments():
+            array.fragments.append(SourceFragment(pieces[frag.rank], 0, frag.param_start, frag.length))
+        frozen[name] = _frozen(array)
+    return frozen
+
+
+def _frozen(array: ArraySource) -> SourceParam:
+    return SourceParam(
+        shape=array.shape, dtype=array.dtype, requires_grad=False, group=None, arrays={FP32: array}
+    )
+
+
+def _whole(
+    value: Any, handle: TorchFile, name: str, shape: tuple[int, ...] | None = None
+) -> ArraySource:
+    if not isinstance(value, TensorRef):
+        raise LayoutMismatchError(f"{handle.path}: '{name}' is not a tensor.")
+    dims = value.shape if shape is None else shape
+    if prod(dims) != value.numel:
+        raise LayoutMismatchError(
+            f"{handle.path}: '{name}' has {value.numel} elements, expected shape {dims}."
+        )
+    array = ArraySource(dims, dtype_name(value.dtype))
+    if value.numel:
+        array.fragments.append(SourceFragment(value, 0, 0, value.numel))
+    return array
+
+
+def _optimizer_info(flat: FlatStates, ds_config: Any) -> OptimizerInfo:
+    groups: list[OptimizerGroup] = []
+    members: dict[int, list[str]] = {}
+    for name, group in flat.groups.items():
+        members.setdefault(group, []).append(name)
+    count = max(len(flat.param_groups), max(members, default=-1) + 1)
+    for index in range(count):
+        raw = flat.param_groups[index] if index < len(flat.param_groups) else {}
+        hyper = {str(k): encode(v) for k, v in raw.items() if k != "params"}
+        groups.append(OptimizerGroup(params=members.get(index, []), hyperparams=hyper))
+    state_keys = sorted({k for a in flat.arrays.values() for k in a if k != FP32})
+    scalar_keys = sorted({k for s in flat.scalars.values() for k in s})
+    name, adam_w = _optimizer_name(ds_config, flat.param_groups[0] if flat.param_groups else {})
+    return OptimizerInfo(
+        name=name, adam_w_mode=adam_w, state_keys=state_keys, scalar_keys=scalar_keys, groups=groups
+    )
+
+
+def _optimizer_name(ds_config: Any, group: Mapping[str, Any]) -> tuple[str, bool | None]:
+    config = ds_config if isinstance(ds_config, Mapping) else {}
+    section = config.get("optimizer")
+    if isinstance(section, Mapping) and "type" in section:
+        kind = str(section["type"])
+        options = section.get("params") or {}
+        if kind.lower() not in ("adam", "adamw"):
+            return kind, None
+        adam_w = bool(options.get("adam_w_mode", True)) or kind.lower() == "adamw"
+        if options.get("torch_adam"):
+            return ("torch.optim.AdamW" if adam_w else "torch.optim.Adam"), adam_w
+        offload = (config.get("zero_optimization") or {}).get("offload_optimizer") or {}
+        if isinstance(offload, Mapping) and offload.get("device") in ("cpu", "nvme"):
+            return "deepspeed.ops.adam.DeepSpeedCPUAdam", adam_w
+        return "deepspeed.ops.adam.FusedAdam", adam_w
+    if "decoupled_weight_decay" in group:
+        adam_w = bool(group["decoupled_weight_decay"])
+        return ("torch.optim.AdamW" if adam_w else "torch.optim.Adam"), adam_w
+    if {"amsgrad", "foreach", "betas"} <= set(group):
+        return "torch.optim.Adam", False
+    if {"bias_correction", "betas"} <= set(group):
+        return "deepspeed.ops.adam.FusedAdam", None
+    return "unknown", None
+
+
+def _progress(meta: Mapping[str, Any], optimizer_state: Mapping[str, Any]) -> TrainingProgress:
+    scaler = optimizer_state.get("loss_scaler")
+    clip = optimizer_state.get("clip_grad")
+    return TrainingProgress(
+        global_steps=int(meta.get("global_steps") or 0),
+        global_samples=int(meta.get("global_samples") or 0),
+        skipped_steps=int(meta.get("skipped_steps") or 0),
+        lr_scheduler=_encode_or_raise(meta.get("lr_scheduler"), "lr_scheduler"),
+        loss_scaler=_loss_scaler(scaler) if isinstance(scaler, StandIn) else None,
+        dynamic_loss_scale=_optional_bool(optimizer_state.get("dynamic_loss_scale")),
+        overflow=_optional_bool(optimizer_state.get("overflow")),
+        clip_grad=float(clip) if isinstance(clip, (int, float)) else None,
+    )
+
+
+def _optional_bool(value: Any) -> bool | None:
+    return bool(value) if value is not None else None
+
+
+def _loss_scaler(scaler: StandIn) -> LossScaler:
+    attributes = {str(k): _encode_or_raise(v, "loss_scaler") for k, v in scaler.attributes().items()}
+    return LossScaler(
+        class_name=type(scaler).ucformat_qualname.rpartition(".")[2],
+        dynamic=bool(scaler.attributes().get("dynamic", False)),
+        cur_scale=float(scaler.attributes().get("cur_scale", 1.0)),
+        attributes=attributes,
+    )
+
+
+def _encode_or_raise(value: Any, what: str) -> Any:
+    ok, encoded = try_encode(value)
+    if not ok:
+        raise UCFormatError(f"{what}: cannot be stored exactly (contains {encoded}).")
+    return encoded
+
+
+def _encode_or_none(value: Any) -> Any:
+    ok, encoded = try_encode(value)
+    return encoded if ok else None
+
+
+def _client_state(meta: Mapping[str, Any]) -> ClientState:
+    values: dict[str, Any] = {}
+    unrepresentable: dict[str, str] = {}
+    for key, value in meta.items():
+        if key in DEEPSPEED_KEYS:
+            continue
+        ok, encoded = try_encode(value)
+        if ok:
+            values[str(key)] = encoded
+        else:
+            unrepresentable[str(key)] = encoded
+    for key in ("data_sampler", "random_ltd"):
+        if meta.get(key) is not None:
+            ok, encoded = try_encode(meta[key])
+            if ok:
+                values[f"deepspeed.{key}"] = encoded
+            else:
+                unrepresentable[f"deepspeed.{key}"] = encoded
+    return ClientState(values=values, unrepresentable=unrepresentable)

@@ -1,0 +1,196 @@
+"""Find the files of a DeepSpeed ZeRO checkpoint and check that the set is complete and coherent.
+
+A DeepSpeed checkpoint *tag folder* holds (see docs/format.md and the ZeRO reference):
+
+* ZeRO-1/2: ``mp_rank_00_model_states.pt`` and one ``[bf16_]zero_pp_rank_{dp}_mp_rank_00_optim_states.pt``
+  per data-parallel rank;
+* ZeRO-3: one ``zero_pp_rank_{dp}_mp_rank_00_model_states.pt`` and one optim file per rank.
+
+The *run folder* above it holds a ``latest`` file naming the tag. This module only looks at
+names and sizes; it opens nothing.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from ucformat.errors import (
+    LayoutMismatchError,
+    NotACheckpointError,
+    SourceNotFoundError,
+    UnsupportedCheckpointError,
+)
+
+__all__ = ["ZeroFiles", "find_zero_files", "locate_tag_folder"]
+
+_OPTIM = re.compile(r"^(?P<prefix>bf16_|fp16_)?zero_pp_rank_(?P<dp>\d+)_mp_rank_(?P<mp>\d+)_optim_states\.pt$")
+_MODEL_Z3 = re.compile(r"^zero_pp_rank_(?P<dp>\d+)_mp_rank_(?P<mp>\d+)_model_states\.pt$")
+_MODEL_Z12 = re.compile(r"^mp_rank_(?P<mp>\d+)_model_states\.pt$")
+_PIPELINE = re.compile(r"^layer_\d+-model_\d+-model_states\.pt$|^layer_\d+-model_states\.pt$")
+_EXPERT = re.compile(r"^expp_rank_|^expert_|_expert_")
+
+
+@dataclass(frozen=True)
+class ZeroFiles:
+    """The shard files of one checkpoint tag, ordered by data-parallel rank."""
+
+    folder: Path
+    tag: str
+    #: ZeRO-1/2: one file; ZeRO-3: one per rank.
+    model_files: tuple[Path, ...]
+    optim_files: tuple[Path, ...]
+    per_rank_model_files: bool
+
+    @property
+    def world_size(self) -> int:
+        """Number of data-parallel ranks, from the file names."""
+        return len(self.optim_files)
+
+
+def locate_tag_folder(src: Path, tag: str | None = None) -> tuple[Path, str]:
+    """Resolve ``src`` (a tag folder, or a run folder with a ``latest`` file) to its tag folder.
+
+    Raises:
+        SourceNotFoundError: ``src`` or the tag folder does not exist.
+        NotACheckpointError: ``src`` is a run folder without ``latest`` and no ``tag`` was given.
+    """
+    if not src.exists():
+        raise SourceNotFoundError(f"{src}: no such file or directory.")
+    if not src.is_dir():
+        raise NotACheckpointError(
+            f"{src}: is a file; expected a DeepSpeed checkpoint folder (the tag folder holding "
+            "*_model_states.pt, or the run folder holding 'latest')."
+        )
+    if tag is not None:
+        folder = src / tag
+        if not folder.is_dir():
+            tags = sorted(p.name for p in src.iterdir() if p.is_dir())
+            raise SourceNotFoundError(
+                f"{src}: has no tag folder '{tag}'; tags present: {', '.join(tags) or 'none'}."
+            )
+        return folder, tag
+    if any(_is_model_file(p.name) for p in src.iterdir()):
+        return src, src.name
+    latest = src / "latest"
+    if latest.is_file():
+        name = latest.read_text().strip()
+        folder = src / name
+        if not folder.is_dir():
+            raise SourceNotFoundError(
+                f"{latest}: names tag '{name}', but {folder} does not exist; pass --tag."
+            )
+        return folder, name
+    raise NotACheckpointError(
+        f"{src}: no DeepSpeed model-states file (mp_rank_00_model_states.pt or "
+        "zero_pp_rank_0_mp_rank_00_model_states.pt) and no 'latest' file; expected a DeepSpeed "
+        "ZeRO checkpoint tag folder or the run folder above it."
+    )
+
+
+def _is_model_file(name: str) -> bool:
+    return bool(_MODEL_Z12.match(name) or _MODEL_Z3.match(name))
+
+
+def find_zero_files(folder: Path, tag: str) -> ZeroFiles:
+    """List and check the shard files in a tag folder.
+
+    Raises:
+        NotACheckpointError: no model-states file.
+        UnsupportedCheckpointError: tensor/pipeline/expert parallel files, or ZeRO stage 0.
+        SourceNotFoundError: a rank's file is missing.
+        LayoutMismatchError: files from different runs are mixed.
+    """
+    names = sorted(p.name for p in folder.iterdir() if p.is_file())
+    if any(_PIPELINE.match(n) for n in names):
+        raise UnsupportedCheckpointError(
+            f"{folder}: pipeline-parallel layer files (layer_*-model_states.pt) found; ucformat "
+            "converts data-parallel ZeRO checkpoints only."
+        )
+    if any(_EXPERT.search(n) for n in names):
+        raise UnsupportedCheckpointError(
+            f"{folder}: MoE expert files found; ucformat does not convert expert parallelism yet."
+        )
+    model_z12 = [n for n in names if _MODEL_Z12.match(n)]
+    model_z3 = {int(m["dp"]): n for n in names if (m := _MODEL_Z3.match(n))}
+    optim: dict[int, str] = {}
+    prefixes: set[str] = set()
+    for name in names:
+        match = _OPTIM.match(name)
+        if match is None:
+            continue
+        if int(match["mp"]) != 0:
+            raise _tensor_parallel(folder, name)
+        dp = int(match["dp"])
+        if dp in optim:
+            raise LayoutMismatchError(
+                f"{folder}: two optimizer shards for rank {dp} ({optim[dp]} and {name}); files "
+                "from different runs are mixed."
+            )
+        optim[dp] = name
+        prefixes.add(match["prefix"] or "")
+    for name in [*model_z12, *model_z3.values()]:
+        mp = _MODEL_Z12.match(name) or _MODEL_Z3.match(name)
+        if mp is not None and int(mp["mp"]) != 0:
+            raise _tensor_parallel(folder, name)
+    if model_z12 and model_z3:
+        raise LayoutMismatchError(
+            f"{folder}: holds both ZeRO-1/2 ({model_z12[0]}) and ZeRO-3 ({model_z3[min(model_z3)]}) "
+            "model files; files from different runs are mixed."
+        )
+    if not model_z12 and not model_z3:
+        raise NotACheckpointError(
+            f"{folder}: no DeepSpeed model-states file (mp_rank_00_model_states.pt or "
+            "zero_pp_rank_0_mp_rank_00_model_states.pt); not a DeepSpeed checkpoint folder."
+        )
+    if not optim:
+        raise UnsupportedCheckpointError(
+            f"{folder}: has model states but no *_optim_states.pt shards; ucformat converts ZeRO "
+            "stage 1-3 checkpoints (stage 0 keeps the optimizer unpartitioned and is not supported)."
+        )
+    if len(prefixes) > 1:
+        raise LayoutMismatchError(
+            f"{folder}: optimizer shards with different name prefixes ({sorted(prefixes)}); files "
+            "from different runs are mixed."
+        )
+    world_size = max(optim) + 1
+    prefix = prefixes.pop()
+    for rank in range(world_size):
+        if rank not in optim:
+            raise SourceNotFoundError(
+                f"{folder / f'{prefix}zero_pp_rank_{rank}_mp_rank_00_optim_states.pt'}: missing; "
+                f"the folder has optimizer shards up to rank {world_size - 1}, so every rank "
+                f"0..{world_size - 1} must be present."
+            )
+    if model_z3:
+        for rank in range(world_size):
+            if rank not in model_z3:
+                raise SourceNotFoundError(
+                    f"{folder / f'zero_pp_rank_{rank}_mp_rank_00_model_states.pt'}: missing; "
+                    f"ZeRO-3 writes one model-states file per rank (found {world_size} optimizer "
+                    "shards)."
+                )
+        extra = sorted(r for r in model_z3 if r >= world_size)
+        if extra:
+            raise LayoutMismatchError(
+                f"{folder}: model-states files for ranks {extra} but optimizer shards only for "
+                f"ranks 0..{world_size - 1}; files from different runs are mixed."
+            )
+    model_files = (
+        tuple(folder / model_z3[r] for r in range(world_size)) if model_z3 else (folder / model_z12[0],)
+    )
+    return ZeroFiles(
+        folder=folder,
+        tag=tag,
+        model_files=model_files,
+        optim_files=tuple(folder / optim[r] for r in range(world_size)),
+        per_rank_model_files=bool(model_z3),
+    )
+
+
+def _tensor_parallel(folder: Path, name: str) -> UnsupportedCheckpointError:
+    return UnsupportedCheckpointError(
+        f"{folder / name}: tensor-parallel (mp_rank > 0) shards found; ucformat converts "
+        "data-parallel ZeRO checkpoints only."
+    )

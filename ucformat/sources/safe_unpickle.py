@@ -1,0 +1,279 @@
+"""A pickle reader that never runs code from the file.
+
+Pickles name Python callables ("globals") that the standard unpickler imports and calls; a
+crafted file can name ``os.system``. This unpickler resolves every global through an explicit
+table and refuses any other with :class:`~ucformat.errors.UnsafePickleError` naming the file and
+the global. Nothing from the file is imported or called. The table has three kinds of entries:
+
+* **Materialised**: inert builders that ucformat itself implements: tensor rebuilds (which only
+  record where bytes are; see :class:`StorageRef`), ``torch.Size`` (a tuple), torch dtypes,
+  ``collections.OrderedDict``, ``set``/``frozenset``, and ``_codecs.encode`` restricted to the
+  ``latin1`` form pickle protocol 2 uses for ``bytes``.
+* **DeepSpeed stand-ins**: ``LossScaler``/``DynamicLossScaler`` and ``fragment_address`` become
+  :class:`StandIn` objects that just hold the pickled attributes; ``ZeroStageEnum`` becomes an int.
+* **Opaque**: globals known to appear in client state but not needed by ucformat (numpy arrays
+  and scalars, ``argparse.Namespace``, ...), plus any the caller adds to
+  :attr:`PicklePolicy.opaque_globals`, become :class:`OpaqueObject` placeholders that record their
+  name and arguments and do nothing else. They surface in the manifest as unrepresentable
+  client state, listed by key and type.
+
+docs/format.md (security) lists the table and why each entry is there.
+"""
+
+from __future__ import annotations
+
+import collections
+import io
+import pickle
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+
+from ucformat.errors import TruncatedFileError, UnsafePickleError
+
+__all__ = [
+    "OpaqueObject",
+    "PicklePolicy",
+    "StandIn",
+    "StorageRef",
+    "load_pickle",
+]
+
+_STORAGE_DTYPES: dict[str, torch.dtype] = {
+    "DoubleStorage": torch.float64,
+    "FloatStorage": torch.float32,
+    "HalfStorage": torch.float16,
+    "BFloat16Storage": torch.bfloat16,
+    "LongStorage": torch.int64,
+    "IntStorage": torch.int32,
+    "ShortStorage": torch.int16,
+    "CharStorage": torch.int8,
+    "ByteStorage": torch.uint8,
+    "BoolStorage": torch.bool,
+}
+
+#: Globals kept as inert placeholders by default: harmless data containers seen in client state.
+DEFAULT_OPAQUE_GLOBALS: frozenset[str] = frozenset(
+    {
+        "argparse.Namespace",
+        "types.SimpleNamespace",
+        "numpy.dtype",
+        "numpy.ndarray",
+        "numpy.core.multiarray._reconstruct",
+        "numpy.core.multiarray.scalar",
+        "numpy._core.multiarray._reconstruct",
+        "numpy._core.multiarray.scalar",
+        "numpy.dtypes.Float64DType",
+        "numpy.dtypes.Float32DType",
+        "numpy.dtypes.Int64DType",
+        "numpy.dtypes.UInt32DType",
+        "pathlib.PosixPath",
+        "pathlib.WindowsPath",
+        "datetime.datetime",
+        "datetime.date",
+        "datetime.timedelta",
+        "torch.device",
+    }
+)
+
+
+@dataclass(frozen=True)
+class PicklePolicy:
+    """What the unpickler admits beyond its fixed table.
+
+    Attributes:
+        opaque_globals: extra ``module.qualname`` globals to keep as inert placeholders.
+        all_unknown_opaque: keep *every* unknown global as a placeholder instead of refusing.
+            Still executes nothing; meant for client state full of custom classes.
+    """
+
+    opaque_globals: frozenset[str] = field(default_factory=frozenset)
+    all_unknown_opaque: bool = False
+
+
+@dataclass(frozen=True)
+class StorageRef:
+    """A tensor storage named by a pickle: which archive entry holds its bytes."""
+
+    key: str
+    dtype: torch.dtype
+    numel: int
+
+    @property
+    def itemsize(self) -> int:
+        """Bytes per element."""
+        return torch.empty((), dtype=self.dtype).element_size()
+
+
+class StandIn:
+    """Attribute holder standing in for a DeepSpeed class; ``type(x).ucformat_qualname`` names it."""
+
+    ucformat_qualname: ClassVar[str] = ""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.__dict__["_init_args"] = args
+
+    def __setstate__(self, state: Any) -> None:
+        if isinstance(state, tuple) and len(state) == 2:  # (dict state, slot state)
+            state = {**(state[0] or {}), **(state[1] or {})}
+        if isinstance(state, dict):
+            self.__dict__.update(state)
+        else:
+            self.__dict__["_state"] = state
+
+    def attributes(self) -> dict[str, Any]:
+        """The pickled attributes."""
+        return {k: v for k, v in self.__dict__.items() if not k.startswith("_")}
+
+    def __repr__(self) -> str:
+        return f"<{self.ucformat_qualname} {self.attributes()}>"
+
+
+class OpaqueObject(StandIn):
+    """Placeholder for an admitted-but-unneeded global; records arguments, runs nothing."""
+
+    def append(self, item: Any) -> None:
+        """Record list-style contents."""
+        self.__dict__.setdefault("_items", []).append(item)
+
+    def extend(self, items: Any) -> None:
+        """Record list-style contents."""
+        self.__dict__.setdefault("_items", []).extend(items)
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        self.__dict__.setdefault("_mapping", {})[key] = value
+
+
+def _stand_in(qualname: str, base: type[StandIn] = StandIn) -> type[StandIn]:
+    module, _, name = qualname.rpartition(".")
+    return type(name, (base,), {"ucformat_qualname": qualname, "__module__": "ucformat.standin"})
+
+
+_DEEPSPEED_STAND_INS: dict[str, type[StandIn]] = {
+    name: _stand_in(name)
+    for name in (
+        "deepspeed.runtime.fp16.loss_scaler.LossScaler",
+        "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler",
+        "deepspeed.utils.tensor_fragment.fragment_address",
+    )
+}
+
+
+def _zero_stage(value: Any) -> int:
+    """``ZeroStageEnum(n)`` is just the stage number."""
+    return int(value)
+
+
+def _latin1_bytes(text: str, encoding: str = "utf-8") -> bytes:
+    """``_codecs.encode`` as pickle protocol 2 uses it to store ``bytes``."""
+    if encoding != "latin1" or not isinstance(text, str):
+        raise UnsafePickleError(f"_codecs.encode called with encoding {encoding!r}")
+    return text.encode("latin1")
+
+
+def _torch_size(dims: Any = ()) -> tuple[int, ...]:
+    return tuple(int(d) for d in dims)
+
+
+class _TypeMarker:
+    """Stands for ``torch.Tensor``/``torch.nn.Parameter`` in ``_rebuild_from_type_v2``."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+
+class _StorageType:
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+
+
+MakeTensor = Callable[[StorageRef, int, tuple[int, ...], tuple[int, ...]], Any]
+
+
+def load_pickle(
+    payload: bytes, *, source: str, policy: PicklePolicy, make_tensor: MakeTensor
+) -> Any:
+    """Decode ``payload`` (a ``data.pkl``) under the allow-list.
+
+    Args:
+        payload: the pickle bytes.
+        source: the file name used in error messages.
+        policy: extra admissions (see :class:`PicklePolicy`).
+        make_tensor: called with ``(storage, offset, shape, stride)`` for every tensor.
+    """
+
+    def rebuild_tensor(
+        storage: StorageRef, offset: int, size: Any, stride: Any, *_: Any
+    ) -> Any:
+        return make_tensor(storage, int(offset), _torch_size(size), _torch_size(stride))
+
+    def rebuild_parameter(data: Any, *_: Any) -> Any:
+        return data
+
+    def rebuild_from_type(func: Callable[..., Any], _new_type: Any, args: Any, _state: Any) -> Any:
+        if func not in (rebuild_tensor, rebuild_parameter):
+            raise UnsafePickleError(f"{source}: _rebuild_from_type_v2 wraps a foreign function.")
+        return func(*args)
+
+    table: dict[str, Any] = {
+        "torch._utils._rebuild_tensor_v2": rebuild_tensor,
+        "torch._utils._rebuild_tensor": rebuild_tensor,
+        "torch._utils._rebuild_parameter": rebuild_parameter,
+        "torch._utils._rebuild_parameter_with_state": rebuild_parameter,
+        "torch._tensor._rebuild_from_type_v2": rebuild_from_type,
+        "torch.Tensor": _TypeMarker("Tensor"),
+        "torch.nn.parameter.Parameter": _TypeMarker("Parameter"),
+        "torch.Size": _torch_size,
+        "collections.OrderedDict": collections.OrderedDict,
+        "builtins.set": set,
+        "builtins.frozenset": frozenset,
+        "_codecs.encode": _latin1_bytes,
+        "deepspeed.runtime.zero.config.ZeroStageEnum": _zero_stage,
+        **_DEEPSPEED_STAND_INS,
+    }
+    opaque_classes: dict[str, type[StandIn]] = {}
+
+    class _Unpickler(pickle.Unpickler):
+        def find_class(self, module: str, name: str) -> Any:
+            qualname = f"{module}.{name}"
+            if qualname in table:
+                return table[qualname]
+            if module == "torch":
+                if name in _STORAGE_DTYPES:
+                    return _StorageType(_STORAGE_DTYPES[name])
+                attribute = getattr(torch, name, None)
+                if isinstance(attribute, torch.dtype):
+                    return attribute
+            if (
+                qualname in DEFAULT_OPAQUE_GLOBALS
+                or qualname in policy.opaque_globals
+                or policy.all_unknown_opaque
+            ):
+                if qualname not in opaque_classes:
+                    opaque_classes[qualname] = _stand_in(qualname, OpaqueObject)
+                return opaque_classes[qualname]
+            raise UnsafePickleError(
+                f"{source}: refusing to load: the pickle references the global '{qualname}', "
+                "which is not on ucformat's allow-list (nothing was executed). If this is "
+                "trusted client state, pass --opaque-global "
+                f"{qualname} to keep it as an inert placeholder."
+            )
+
+        def persistent_load(self, pid: Any) -> StorageRef:
+            if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
+                raise UnsafePickleError(f"{source}: unknown persistent id {pid!r:.80}.")
+            _, storage_type, key, _location, numel = pid
+            if not isinstance(storage_type, _StorageType):
+                raise UnsafePickleError(f"{source}: unknown storage type {storage_type!r:.80}.")
+            return StorageRef(str(key), storage_type.dtype, int(numel))
+
+    try:
+        return _Unpickler(io.BytesIO(payload)).load()
+    except UnsafePickleError:
+        raise
+    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError) as exc:
+        raise TruncatedFileError(
+            f"{source}: the pickle inside is damaged ({type(exc).__name__}: {exc})."
+        ) from None

@@ -1,0 +1,224 @@
+"""Read ``torch.save`` zip files safely and lazily, without torch's unpickler.
+
+A ``torch.save`` file is a zip archive (entries stored uncompressed) holding ``<prefix>/data.pkl``
+(a pickle of the object tree) and one entry ``<prefix>/data/<key>`` per tensor storage.
+:func:`open_torch_file` runs the pickle through :mod:`ucformat.sources.safe_unpickle`, which
+admits only an allow-list of globals, never executes code from the file, and turns every tensor
+into a :class:`TensorRef`: a description (storage, offset, shape, stride, dtype) whose bytes stay on
+disk until someone reads a range of them with :meth:`TensorRef.read_into`.
+
+So a 10 GB optimizer shard costs a few KB of memory to open, and each byte is read from disk
+exactly when it is copied to its destination.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import zipfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from ucformat.dtypes import dtype_name, numpy_storage_dtype, storage_to_torch
+from ucformat.errors import TruncatedFileError, UnsupportedCheckpointError
+from ucformat.sources.safe_unpickle import PicklePolicy, StorageRef, load_pickle
+
+__all__ = ["TensorRef", "TorchFile", "open_torch_file"]
+
+_LOCAL_HEADER = struct.Struct("<4sHHHHHIIIHH")
+_LOCAL_HEADER_MAGIC = b"PK\x03\x04"
+
+
+@dataclass(eq=False)
+class TorchFile:
+    """An opened ``torch.save`` zip file: its decoded object tree and lazy storage access."""
+
+    path: Path
+    size: int
+    obj: Any
+    _fd: int = field(repr=False)
+    _members: dict[str, zipfile.ZipInfo] = field(repr=False)
+    _prefix: str = field(repr=False)
+    _data_offsets: dict[str, tuple[int, int]] = field(default_factory=dict, repr=False)
+
+    def storage_span(self, key: str) -> tuple[int, int]:
+        """``(file offset, byte length)`` of storage ``key``'s bytes."""
+        cached = self._data_offsets.get(key)
+        if cached is not None:
+            return cached
+        info = self._members.get(f"{self._prefix}data/{key}")
+        if info is None:
+            raise TruncatedFileError(
+                f"{self.path}: tensor storage '{key}' is missing from the archive; "
+                "the file is damaged or truncated."
+            )
+        if info.compress_type != zipfile.ZIP_STORED:
+            raise UnsupportedCheckpointError(
+                f"{self.path}: storage '{key}' is compressed; torch.save never does that."
+            )
+        header = os.pread(self._fd, _LOCAL_HEADER.size, info.header_offset)
+        fields = _LOCAL_HEADER.unpack(header) if len(header) == _LOCAL_HEADER.size else None
+        if fields is None or fields[0] != _LOCAL_HEADER_MAGIC:
+            raise TruncatedFileError(f"{self.path}: damaged zip entry for storage '{key}'.")
+        name_length, extra_length = fields[9], fields[10]
+        offset = info.header_offset + _LOCAL_HEADER.size + name_length + extra_length
+        if offset + info.file_size > self.size:
+            raise TruncatedFileError(
+                f"{self.path}: storage '{key}' ends at byte {offset + info.file_size} but the "
+                f"file has only {self.size} bytes; the file is truncated."
+            )
+        span = (offset, info.file_size)
+        self._data_offsets[key] = span
+        return span
+
+    def read_bytes(self, key: str, start: int, into: memoryview) -> None:
+        """Fill ``into`` with the bytes of storage ``key`` from byte ``start`` on."""
+        offset, length = self.storage_span(key)
+        if start + len(into) > length:
+            raise TruncatedFileError(
+                f"{self.path}: read of bytes [{start}, {start + len(into)}) of storage '{key}' "
+                f"overruns its {length} bytes."
+            )
+        position = 0
+        while position < len(into):
+            got = os.preadv(self._fd, [into[position:]], offset + start + position)
+            if got <= 0:
+                raise TruncatedFileError(f"{self.path}: unexpected end of file.")
+            position += got
+
+    def close(self) -> None:
+        """Release the file descriptor."""
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def __enter__(self) -> TorchFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+@dataclass(frozen=True, eq=False)
+class TensorRef:
+    """A tensor inside a :class:`TorchFile` whose bytes have not been read."""
+
+    file: TorchFile
+    storage: StorageRef
+    offset: int
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The tensor's torch dtype."""
+        return self.storage.dtype
+
+    @property
+    def numel(self) -> int:
+        """Number of elements."""
+        total = 1
+        for dim in self.shape:
+            total *= dim
+        return total
+
+    def is_contiguous(self) -> bool:
+        """Whether the elements are one row-major run of the storage."""
+        expected = 1
+        for dim, step in zip(reversed(self.shape), reversed(self.stride), strict=True):
+            if dim != 1 and step != expected:
+                return False
+            expected *= dim
+        return True
+
+    def read_into(self, out: np.ndarray, start: int, stop: int) -> None:
+        """Copy flat elements ``[start, stop)`` of this (contiguous) tensor into ``out``.
+
+        ``out`` is a 1-D contiguous numpy array of the storage dtype (bfloat16 as uint16) and
+        length ``stop - start``; the bytes go from disk straight into it.
+        """
+        if not self.is_contiguous():
+            raise UnsupportedCheckpointError(
+                f"{self.file.path}: a flat state tensor is not contiguous (stride {self.stride})."
+            )
+        if not 0 <= start <= stop <= self.numel:
+            raise TruncatedFileError(
+                f"{self.file.path}: elements [{start}, {stop}) requested from a tensor of "
+                f"{self.numel} elements."
+            )
+        item = self.storage.itemsize
+        self.file.read_bytes(
+            self.storage.key, (self.offset + start) * item, memoryview(out).cast("B")
+        )
+
+    def load(self) -> torch.Tensor:
+        """Read the whole tensor into memory (for small tensors: buffers, scalars, metadata)."""
+        name = dtype_name(self.dtype)
+        if self.numel == 0:
+            return torch.empty(self.shape, dtype=self.dtype)
+        if self.is_contiguous():
+            flat = np.empty(self.numel, dtype=numpy_storage_dtype(name))
+            self.read_into(flat, 0, self.numel)
+            return storage_to_torch(flat, name).reshape(self.shape)
+        span = self.offset + sum((d - 1) * s for d, s in zip(self.shape, self.stride, strict=True))
+        whole = np.empty(span + 1, dtype=numpy_storage_dtype(name))
+        self.file.read_bytes(self.storage.key, 0, memoryview(whole).cast("B"))
+        base = storage_to_torch(whole, name)
+        return base.as_strided(self.shape, self.stride, self.offset).clone()
+
+
+def open_torch_file(path: Path, policy: PicklePolicy | None = None) -> TorchFile:
+    """Open a ``torch.save`` zip file and decode its object tree with the restricted unpickler.
+
+    Raises:
+        TruncatedFileError: the file is not a complete zip archive or lacks ``data.pkl``.
+        UnsafePickleError: the pickle references a global outside the allow-list.
+    """
+    size = path.stat().st_size
+    try:
+        with zipfile.ZipFile(path) as archive:
+            members = {info.filename: info for info in archive.infolist()}
+            pickles = [name for name in members if name.endswith("/data.pkl")]
+            if len(pickles) != 1:
+                raise TruncatedFileError(
+                    f"{path}: expected one '<name>/data.pkl' entry in a torch.save archive, "
+                    f"found {len(pickles)}; this is not a torch checkpoint file."
+                )
+            prefix = pickles[0][: -len("data.pkl")]
+            _check_byteorder(path, archive, members, prefix)
+            payload = archive.read(pickles[0])
+    except zipfile.BadZipFile as exc:
+        raise TruncatedFileError(
+            f"{path}: not a complete zip archive ({exc}); the file is truncated, damaged, or "
+            "not written by torch.save."
+        ) from None
+    fd = os.open(path, os.O_RDONLY)
+    handle = TorchFile(path=path, size=size, obj=None, _fd=fd, _members=members, _prefix=prefix)
+    try:
+        handle.obj = load_pickle(
+            payload,
+            source=str(path),
+            policy=policy or PicklePolicy(),
+            make_tensor=lambda storage, offset, shape, stride: TensorRef(
+                handle, storage, offset, shape, stride
+            ),
+        )
+    except BaseException:
+        handle.close()
+        raise
+    return handle
+
+
+def _check_byteorder(
+    path: Path, archive: zipfile.ZipFile, members: dict[str, zipfile.ZipInfo], prefix: str
+) -> None:
+    name = f"{prefix}byteorder"
+    if name in members and archive.read(name).strip() not in (b"little", b""):
+        raise UnsupportedCheckpointError(
+            f"{path}: big-endian torch files are not supported (byteorder "
+            f"{archive.read(name).decode(errors='replace')!r})."
+        )

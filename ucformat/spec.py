@@ -1,0 +1,37 @@
+"""Constants of the ucformat store layout (see docs/format.md)."""
+
+from __future__ import annotations
+
+__all__ = [
+    "BUFFERS_PREFIX",
+    "FORMAT_NAME",
+    "FORMAT_VERSION",
+    "FP32_STATE",
+    "MANIFEST_KEY",
+    "PARAMS_PREFIX",
+    "STEP_STATE",
+    "buffer_array_path",
+    "state_array_path",
+]
+
+FORMAT_NAME = "ucformat"
+#: Major.minor. Readers accept any minor of their major and refuse a newer major.
+FORMAT_VERSION = "1.0"
+#: Key of the manifest in the store root. Written last; its presence marks the store complete.
+MANIFEST_KEY = "ucformat.json"
+PARAMS_PREFIX = "params"
+BUFFERS_PREFIX = "buffers"
+#: State name of the fp32 master weights (frozen params: their losslessly stored values).
+FP32_STATE = "fp32"
+#: Optimizer step counter; kept in the manifest as a scalar, never as an array.
+STEP_STATE = "step"
+
+
+def state_array_path(fqn: str, state: str) -> str:
+    """Return the zarr path of the array holding ``state`` of parameter ``fqn``."""
+    return f"{PARAMS_PREFIX}/{fqn}/{state}"
+
+
+def buffer_array_path(fqn: str) -> str:
+    """Return the zarr path of the array holding buffer ``fqn``."""
+    return f"{BUFFERS_PREFIX}/{fqn}"
