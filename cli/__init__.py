@@ -1,0 +1,1 @@
+"""The ``ucformat`` command line (installed as the import package ``ucformat_cli``)."""

@@ -1,0 +1,45 @@
+"""Turn user-caused errors into one-line messages and exit code 2."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import ParamSpec, TypeVar
+
+import typer
+from rich.console import Console
+
+from ucformat.errors import UCFormatError
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+#: Exit code for errors the user can fix (bad path, damaged input, refused overwrite, ...).
+USER_ERROR = 2
+
+stderr = Console(stderr=True, highlight=False, soft_wrap=True)
+
+
+def fail(message: str) -> typer.Exit:
+    """Print ``error: message`` on stderr and return the exit to raise."""
+    stderr.print(f"[bold red]error:[/] {message}", markup=True)
+    return typer.Exit(code=USER_ERROR)
+
+
+def user_errors(command: Callable[P, R]) -> Callable[P, R]:
+    """Decorate a command: UCFormatError/OSError -> one line on stderr, exit code 2."""
+
+    @functools.wraps(command)
+    def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+        try:
+            return command(*args, **kwargs)
+        except UCFormatError as exc:
+            raise fail(exc.message) from None
+        except OSError as exc:
+            where = f"{exc.filename}: " if exc.filename else ""
+            raise fail(f"{where}{exc.strerror or exc}") from None
+        except KeyboardInterrupt:
+            stderr.print("interrupted")
+            raise typer.Exit(code=130) from None
+
+    return wrapper

@@ -1,0 +1,42 @@
+"""Root of the ``ucformat`` Typer app."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from ucformat import __version__
+from ucformat_cli.convert import convert_command
+from ucformat_cli.inspect import inspect_command
+
+app = typer.Typer(
+    name="ucformat",
+    help="Universal checkpoints for DeepSpeed ZeRO: convert, inspect, verify, export.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"ucformat {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def main(
+    version: Annotated[
+        bool,
+        typer.Option("--version", callback=_version, is_eager=True, help="Print the version."),
+    ] = False,
+) -> None:
+    """Universal checkpoints for DeepSpeed ZeRO."""
+
+
+app.command("convert")(convert_command)
+app.command("inspect")(inspect_command)
+
+if __name__ == "__main__":
+    app()

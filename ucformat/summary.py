@@ -1,0 +1,114 @@
+"""Pure summaries of a manifest for ``ucformat inspect``: no tensor data is read."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ucformat.models import CheckpointManifest
+from ucformat.pyvalue import decode
+
+__all__ = ["ParamRow", "StoreSummary", "format_bytes", "summarize"]
+
+
+@dataclass(frozen=True)
+class ParamRow:
+    """One line of the parameter table."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    group: str
+    trainable: bool
+    states: tuple[str, ...]
+    nbytes: int
+    aliases: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class StoreSummary:
+    """Everything ``inspect`` shows."""
+
+    header: dict[str, str]
+    params: tuple[ParamRow, ...]
+    groups: tuple[tuple[int, int, str], ...]
+    buffers: tuple[tuple[str, tuple[int, ...], str], ...]
+    totals: dict[str, str]
+
+
+def format_bytes(count: int) -> str:
+    """Human-readable byte count (binary units)."""
+    value = float(count)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{count} B"
+
+
+def summarize(manifest: CheckpointManifest) -> StoreSummary:
+    """Build the rows and header lines shown by ``ucformat inspect``."""
+    source, progress, optimizer = manifest.source, manifest.progress, manifest.optimizer
+    header = {
+        "format": f"{manifest.format} {manifest.format_version} ({manifest.created_by})",
+        "source": f"DeepSpeed {source.framework_version}, ZeRO-{source.zero_stage}, "
+        f"world size {source.world_size}, {source.train_dtype}, {source.optimizer_wrapper}",
+        "source path": f"{source.path} (tag {source.tag})",
+        "optimizer": "none"
+        if optimizer is None
+        else f"{optimizer.name}, states {', '.join(optimizer.state_keys) or '-'}; "
+        f"scalars {', '.join(optimizer.scalar_keys) or '-'}",
+        "progress": f"global_steps {progress.global_steps}, global_samples "
+        f"{progress.global_samples}, skipped_steps {progress.skipped_steps}",
+    }
+    if progress.loss_scaler is not None:
+        header["loss scaler"] = (
+            f"{progress.loss_scaler.class_name} scale {progress.loss_scaler.cur_scale:g}"
+        )
+    if progress.lr_scheduler is not None:
+        header["lr scheduler"] = str(decode(progress.lr_scheduler))
+    client = manifest.client_state
+    if client.values or client.unrepresentable:
+        kept = ", ".join(client.values) or "-"
+        dropped = ", ".join(f"{k} ({t})" for k, t in client.unrepresentable.items())
+        header["client state"] = kept + (f"; not stored: {dropped}" if dropped else "")
+    rows = tuple(
+        ParamRow(
+            name=name,
+            shape=tuple(entry.shape),
+            dtype=entry.dtype,
+            group="frozen" if entry.group is None else str(entry.group),
+            trainable=entry.requires_grad,
+            states=(*entry.states, *entry.scalars),
+            nbytes=sum(ref.nbytes for ref in entry.states.values()),
+            aliases=tuple(entry.aliases),
+        )
+        for name, entry in manifest.params.items()
+    )
+    groups = tuple(
+        (
+            index,
+            len(group.params),
+            ", ".join(f"{k}={decode(v)}" for k, v in group.hyperparams.items()),
+        )
+        for index, group in enumerate(optimizer.groups if optimizer else [])
+    )
+    buffers = tuple(
+        (name, tuple(entry.shape), entry.dtype) for name, entry in manifest.buffers.items()
+    )
+    numel = sum(_numel(entry.shape) for entry in manifest.params.values())
+    stored = sum(row.nbytes for row in rows) + sum(
+        entry.array.nbytes for entry in manifest.buffers.values()
+    )
+    totals = {
+        "params": f"{len(rows)} ({numel:,} elements), {len(manifest.tied)} tied aliases, "
+        f"{len(buffers)} buffers",
+        "stored": f"{format_bytes(stored)} uncompressed",
+    }
+    return StoreSummary(header, rows, groups, buffers, totals)
+
+
+def _numel(shape: list[int]) -> int:
+    total = 1
+    for dim in shape:
+        total *= dim
+    return total
