@@ -22,6 +22,7 @@ docs/format.md (security) lists the table and why each entry is there.
 
 from __future__ import annotations
 
+import _compat_pickle
 import collections
 import io
 import pickle
@@ -189,6 +190,14 @@ class _StorageType:
         self.dtype = dtype
 
 
+def _python3_name(module: str, name: str) -> tuple[str, str]:
+    """Map Python 2 names (pickle protocol 2 writes ``__builtin__``) to Python 3 ones."""
+    if (module, name) in _compat_pickle.NAME_MAPPING:
+        mapped: tuple[str, str] = _compat_pickle.NAME_MAPPING[(module, name)]
+        return mapped
+    return _compat_pickle.IMPORT_MAPPING.get(module, module), name
+
+
 MakeTensor = Callable[[StorageRef, int, tuple[int, ...], tuple[int, ...]], Any]
 
 
@@ -237,6 +246,7 @@ def load_pickle(
 
     class _Unpickler(pickle.Unpickler):
         def find_class(self, module: str, name: str) -> Any:
+            module, name = _python3_name(module, name)
             qualname = f"{module}.{name}"
             if qualname in table:
                 return table[qualname]
