@@ -8,31 +8,51 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
-from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
+from rich.progress import (
+    BarColumn,
+    DownloadColumn,
+    Progress,
+    TimeRemainingColumn,
+    TransferSpeedColumn,
+)
+from ucformat_cli._errors import user_errors
 
 import ucformat
 from ucformat.convert import ConvertHooks
 from ucformat.plan import ConvertPlan
 from ucformat.summary import format_bytes
-from ucformat_cli._errors import user_errors
 
 _KIB = 1024
 
 
 @user_errors
 def convert_command(
-    src: Annotated[Path, typer.Argument(help="DeepSpeed checkpoint: tag folder, or run folder with 'latest'.")],
+    src: Annotated[
+        Path, typer.Argument(help="DeepSpeed checkpoint: tag folder, or run folder with 'latest'.")
+    ],
     dst: Annotated[str, typer.Argument(help="Destination store: a path or an fsspec URL.")],
-    tag: Annotated[str | None, typer.Option(help="Tag to convert when SRC is a run folder.")] = None,
-    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing store.")] = False,
-    dry_run: Annotated[bool, typer.Option("--dry-run", help="Plan and validate; write nothing.")] = False,
-    chunk_kib: Annotated[int | None, typer.Option(help="Inner chunk target in KiB (read granularity).", min=1)] = None,
-    shard_mib: Annotated[int | None, typer.Option(help="Shard target in MiB (object size).", min=1)] = None,
+    tag: Annotated[
+        str | None, typer.Option(help="Tag to convert when SRC is a run folder.")
+    ] = None,
+    overwrite: Annotated[
+        bool, typer.Option("--overwrite", help="Replace an existing store.")
+    ] = False,
+    dry_run: Annotated[
+        bool, typer.Option("--dry-run", help="Plan and validate; write nothing.")
+    ] = False,
+    chunk_kib: Annotated[
+        int | None, typer.Option(help="Inner chunk target in KiB (read granularity).", min=1)
+    ] = None,
+    shard_mib: Annotated[
+        int | None, typer.Option(help="Shard target in MiB (object size).", min=1)
+    ] = None,
     compress: Annotated[str, typer.Option(help="Chunk compression: none or zstd.")] = "none",
     workers: Annotated[int, typer.Option(help="Threads writing shards.", min=1)] = 1,
     opaque_global: Annotated[
         list[str] | None,
-        typer.Option(help="Pickle global (module.Name) to keep as an inert placeholder; '*' for all. Repeatable."),
+        typer.Option(
+            help="Pickle global (module.Name) to keep as an inert placeholder; '*' for all. Repeatable."
+        ),
     ] = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar.")] = False,
 ) -> None:

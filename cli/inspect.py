@@ -8,10 +8,10 @@ from typing import Annotated
 import typer
 from rich.console import Console
 from rich.table import Table
+from ucformat_cli._errors import user_errors
 
 import ucformat
 from ucformat.summary import format_bytes, summarize
-from ucformat_cli._errors import user_errors
 
 
 @user_errors

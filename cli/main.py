@@ -5,10 +5,10 @@ from __future__ import annotations
 from typing import Annotated
 
 import typer
-
-from ucformat import __version__
 from ucformat_cli.convert import convert_command
 from ucformat_cli.inspect import inspect_command
+
+from ucformat import __version__
 
 app = typer.Typer(
     name="ucformat",

@@ -18,7 +18,11 @@ def array_ref(path: str, shape: list[int], dtype: str = "float32") -> ArrayRef:
     for dim in shape:
         numel *= dim
     return ArrayRef(
-        path=path, dtype=dtype, shape=shape, chunk_shape=shape or [], shard_shape=shape or [],  # type: ignore[arg-type]
+        path=path,
+        dtype=dtype,
+        shape=shape,
+        chunk_shape=shape or [],
+        shard_shape=shape or [],  # type: ignore[arg-type]
         nbytes=numel * 4,
     )
 
@@ -39,8 +43,14 @@ def tiny_manifest() -> CheckpointManifest:
     return CheckpointManifest(
         created_by="tests",
         source=SourceInfo(
-            framework_version="0.19.8", path="/x", tag="t", zero_stage=1, world_size=2,
-            train_dtype="bfloat16", optimizer_wrapper="DeepSpeedZeroOptimizer", files=[],
+            framework_version="0.19.8",
+            path="/x",
+            tag="t",
+            zero_stage=1,
+            world_size=2,
+            train_dtype="bfloat16",
+            optimizer_wrapper="DeepSpeedZeroOptimizer",
+            files=[],
         ),
         params=params,
         tied={"lm_head.weight": "emb.weight"},

@@ -16,7 +16,7 @@ from ucformat.convert import convert
 from ucformat.errors import UCFormatError
 from ucformat.models import CheckpointManifest
 from ucformat.reader import UniversalCheckpoint
-from ucformat.reader import open_checkpoint as open  # noqa: A004
+from ucformat.reader import open_checkpoint as open
 
 __all__ = [
     "CheckpointManifest",

@@ -99,7 +99,9 @@ def convert(
                 store,
                 overwrite=True,
                 zarr_format=3,
-                attributes={FORMAT_NAME: {"format_version": FORMAT_VERSION, "manifest": MANIFEST_KEY}},
+                attributes={
+                    FORMAT_NAME: {"format_version": FORMAT_VERSION, "manifest": MANIFEST_KEY}
+                },
             )
             arrays = create_arrays(store, plan)
             write_units(plan, arrays, plan.units, workers=workers, progress=hooks.on_bytes)

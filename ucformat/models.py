@@ -48,8 +48,12 @@ class ArrayRef(_Model):
     path: str = Field(description="Array path relative to the store root, e.g. 'params/w/fp32'.")
     dtype: DTypeName = Field(description="Logical dtype of the stored values.")
     shape: list[int] = Field(description="Array shape: the parameter's (or buffer's) real shape.")
-    chunk_shape: list[int] = Field(description="Inner chunk shape: the unit of reads and checksums.")
-    shard_shape: list[int] = Field(description="Shard shape: the unit of storage objects and writes.")
+    chunk_shape: list[int] = Field(
+        description="Inner chunk shape: the unit of reads and checksums."
+    )
+    shard_shape: list[int] = Field(
+        description="Shard shape: the unit of storage objects and writes."
+    )
     nbytes: int = Field(ge=0, description="Uncompressed size of the values in bytes.")
     compressor: Literal["none", "zstd"] = "none"
 

@@ -181,6 +181,8 @@ def _units(index: int, ref: ArrayRef, array: ArraySource) -> Iterator[WriteUnit]
             lo, hi = max(start, fragment.start), min(stop, fragment.start + fragment.length)
             if lo < hi:
                 copies.append(
-                    CopyItem(fragment, fragment.tensor_start + lo - fragment.start, lo - start, hi - lo)
+                    CopyItem(
+                        fragment, fragment.tensor_start + lo - fragment.start, lo - start, hi - lo
+                    )
                 )
         yield WriteUnit(index, region, start, stop, tuple(copies))

@@ -106,7 +106,11 @@ def open_store(target: StoreLike, *, read_only: bool) -> Store:
         SourceNotFoundError: a local path opened read-only does not exist.
     """
     if isinstance(target, Store):
-        return target if target.read_only == read_only or not read_only else target.with_read_only(True)
+        return (
+            target
+            if target.read_only == read_only or not read_only
+            else target.with_read_only(True)
+        )
     text = str(target)
     if "://" in text and not text.startswith("file://"):
         return FsspecStore.from_url(text, read_only=read_only)

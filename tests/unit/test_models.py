@@ -65,7 +65,9 @@ def test_newer_major_version_is_refused_with_both_versions() -> None:
     data = json.loads(payload(tiny_manifest()))
     data["format_version"] = "2.0"
     data["new_field"] = {}
-    with pytest.raises(UnsupportedVersionError, match=r"format 2\.0, but this ucformat reads format 1\.x"):
+    with pytest.raises(
+        UnsupportedVersionError, match=r"format 2\.0, but this ucformat reads format 1\.x"
+    ):
         parse_manifest(json.dumps(data).encode(), "s")
 
 

@@ -99,7 +99,9 @@ def test_real_tensors_decode_lazily_and_exactly(tmp_path: Path) -> None:
         assert obj["shape"] == (2, 3) and obj["int"] == 7
         for key in ("flat", "view", "bf16", "step", "transposed", "param"):
             loaded = obj[key].load()
-            assert loaded.dtype == state[key].dtype and torch.equal(loaded, state[key].detach()), key
+            assert loaded.dtype == state[key].dtype and torch.equal(loaded, state[key].detach()), (
+                key
+            )
         out = torch.empty(3, dtype=torch.float32).numpy()
         obj["view"].read_into(out, 2, 5)
         assert out.tolist() == [6.0, 7.0, 8.0]

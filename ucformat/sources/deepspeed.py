@@ -27,7 +27,12 @@ from ucformat.models import (
 from ucformat.pyvalue import encode, try_encode
 from ucformat.sources.base import ArraySource, SourceCheckpoint, SourceFragment, SourceParam
 from ucformat.sources.deepspeed_files import ZeroFiles, find_zero_files, locate_tag_folder
-from ucformat.sources.deepspeed_states import FP32, FlatStates, read_zero3_states, read_zero12_states
+from ucformat.sources.deepspeed_states import (
+    FP32,
+    FlatStates,
+    read_zero3_states,
+    read_zero12_states,
+)
 from ucformat.sources.safe_unpickle import PicklePolicy, StandIn
 from ucformat.sources.torchfile import TensorRef, TorchFile, open_torch_file
 
@@ -133,7 +138,11 @@ def _describe(
 
 
 def _zero_stage(first_optim: TorchFile, per_rank_model_files: bool) -> int:
-    osd = first_optim.obj.get("optimizer_state_dict") if isinstance(first_optim.obj, Mapping) else None
+    osd = (
+        first_optim.obj.get("optimizer_state_dict")
+        if isinstance(first_optim.obj, Mapping)
+        else None
+    )
     if not isinstance(osd, Mapping):
         raise NotACheckpointError(
             f"{first_optim.path}: missing key 'optimizer_state_dict'; not a DeepSpeed ZeRO "
@@ -169,9 +178,7 @@ def _trainable_params(
         if FP32 not in arrays:
             raise LayoutMismatchError(f"param '{name}': no shard holds any of its fp32 values.")
         placeholder = module.get(name)
-        dtype = (
-            dtype_name(placeholder.dtype) if isinstance(placeholder, TensorRef) else train_dtype
-        )
+        dtype = dtype_name(placeholder.dtype) if isinstance(placeholder, TensorRef) else train_dtype
         params[name] = SourceParam(
             shape=arrays[FP32].shape,
             dtype=dtype,
@@ -213,7 +220,9 @@ def _frozen_params(
         pieces = [h.obj["frozen_param_fragments"][name] for h in models]
         array = ArraySource(dims, dtype_name(pieces[0].dtype))
         for frag in layout.all_fragments():
-            array.fragments.append(SourceFragment(pieces[frag.rank], 0, frag.param_start, frag.length))
+            array.fragments.append(
+                SourceFragment(pieces[frag.rank], 0, frag.param_start, frag.length)
+            )
         frozen[name] = _frozen(array)
     return frozen
 
@@ -303,7 +312,9 @@ def _optional_bool(value: Any) -> bool | None:
 
 
 def _loss_scaler(scaler: StandIn) -> LossScaler:
-    attributes = {str(k): _encode_or_raise(v, "loss_scaler") for k, v in scaler.attributes().items()}
+    attributes = {
+        str(k): _encode_or_raise(v, "loss_scaler") for k, v in scaler.attributes().items()
+    }
     return LossScaler(
         class_name=type(scaler).ucformat_qualname.rpartition(".")[2],
         dynamic=bool(scaler.attributes().get("dynamic", False)),

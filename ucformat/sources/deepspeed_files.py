@@ -25,7 +25,9 @@ from ucformat.errors import (
 
 __all__ = ["ZeroFiles", "find_zero_files", "locate_tag_folder"]
 
-_OPTIM = re.compile(r"^(?P<prefix>bf16_|fp16_)?zero_pp_rank_(?P<dp>\d+)_mp_rank_(?P<mp>\d+)_optim_states\.pt$")
+_OPTIM = re.compile(
+    r"^(?P<prefix>bf16_|fp16_)?zero_pp_rank_(?P<dp>\d+)_mp_rank_(?P<mp>\d+)_optim_states\.pt$"
+)
 _MODEL_Z3 = re.compile(r"^zero_pp_rank_(?P<dp>\d+)_mp_rank_(?P<mp>\d+)_model_states\.pt$")
 _MODEL_Z12 = re.compile(r"^mp_rank_(?P<mp>\d+)_model_states\.pt$")
 _PIPELINE = re.compile(r"^layer_\d+-model_\d+-model_states\.pt$|^layer_\d+-model_states\.pt$")
@@ -178,7 +180,9 @@ def find_zero_files(folder: Path, tag: str) -> ZeroFiles:
                 f"ranks 0..{world_size - 1}; files from different runs are mixed."
             )
     model_files = (
-        tuple(folder / model_z3[r] for r in range(world_size)) if model_z3 else (folder / model_z12[0],)
+        tuple(folder / model_z3[r] for r in range(world_size))
+        if model_z3
+        else (folder / model_z12[0],)
     )
     return ZeroFiles(
         folder=folder,

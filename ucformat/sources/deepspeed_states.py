@@ -58,9 +58,7 @@ def _flat_tensor(value: Any, handle: TorchFile, what: str) -> TensorRef:
     return value
 
 
-def _check_length(
-    tensor: TensorRef, low: int, high: int, handle: TorchFile, what: str
-) -> None:
+def _check_length(tensor: TensorRef, low: int, high: int, handle: TorchFile, what: str) -> None:
     if not low <= tensor.numel <= high:
         expected = str(high) if low == high else f"between {low} and {high}"
         raise LayoutMismatchError(
@@ -168,7 +166,9 @@ def read_zero3_states(
     states = FlatStates(wrapper="DeepSpeedZeroOptimizer_Stage3")
     sub_group_shapes = model_meta["param_shapes"]
     states.sub_groups = len(sub_group_shapes)
-    first = _key(_key(optim[0].obj, "optimizer_state_dict", optim[0]), "optimizer_state_dict", optim[0])
+    first = _key(
+        _key(optim[0].obj, "optimizer_state_dict", optim[0]), "optimizer_state_dict", optim[0]
+    )
     states.param_groups = [dict(group) for group in first["param_groups"]]
     owner = {sg: g for g, group in enumerate(states.param_groups) for sg in group["params"]}
     for sg, shapes in enumerate(sub_group_shapes):

@@ -213,9 +213,7 @@ def load_pickle(
         make_tensor: called with ``(storage, offset, shape, stride)`` for every tensor.
     """
 
-    def rebuild_tensor(
-        storage: StorageRef, offset: int, size: Any, stride: Any, *_: Any
-    ) -> Any:
+    def rebuild_tensor(storage: StorageRef, offset: int, size: Any, stride: Any, *_: Any) -> Any:
         return make_tensor(storage, int(offset), _torch_size(size), _torch_size(stride))
 
     def rebuild_parameter(data: Any, *_: Any) -> Any:

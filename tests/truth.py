@@ -1,0 +1,108 @@
+"""Compare a ucformat store with the ground truth dumped from the live DeepSpeed engine."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ucformat.dtypes import dtype_name
+from ucformat.pyvalue import decode
+from ucformat.reader import UniversalCheckpoint
+
+_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def load_truth(case_dir: Path) -> dict[str, Any]:
+    """The truth dict written by tests/fixtures/_ds_save_worker.py."""
+    truth: dict[str, Any] = torch.load(case_dir / "truth.pt", weights_only=True)
+    return truth
+
+
+def plain(value: Any) -> Any:
+    """Tuples as lists, recursively, so hyper-parameters compare across encodings."""
+    if isinstance(value, (list, tuple)):
+        return [plain(v) for v in value]
+    if isinstance(value, dict):
+        return {k: plain(v) for k, v in value.items()}
+    if isinstance(value, torch.dtype):
+        return str(value)
+    return value
+
+
+def assert_exact(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    """Bit-exact equality, dtype and shape included."""
+    assert got.dtype == want.dtype, f"{what}: dtype {got.dtype} != {want.dtype}"
+    assert got.shape == want.shape, f"{what}: shape {tuple(got.shape)} != {tuple(want.shape)}"
+    assert torch.equal(
+        got.view(-1).view(torch.uint8), want.contiguous().view(-1).view(torch.uint8)
+    ), f"{what}: values differ"
+
+
+def assert_step(got: Any, want: Any, what: str) -> None:
+    """Same value and same type (python int, or 0-d tensor of the same dtype)."""
+    if isinstance(want, torch.Tensor):
+        assert isinstance(got, torch.Tensor), f"{what}: {got!r} is not a tensor like {want!r}"
+        assert_exact(got, want, what)
+    else:
+        assert type(got) is type(want) and got == want, f"{what}: {got!r} != {want!r}"
+
+
+def assert_store_matches_truth(ckpt: UniversalCheckpoint, truth: dict[str, Any]) -> None:
+    """Every array and manifest field the truth knows about, compared exactly."""
+    manifest = ckpt.manifest
+    case = truth["case"]
+    assert manifest.source.zero_stage == case["stage"]
+    assert manifest.source.world_size == case["world_size"]
+    assert manifest.source.train_dtype == dtype_name(_DTYPES[case["dtype"]])
+    assert set(manifest.params) == set(truth["fp32"]) | set(truth["frozen"])
+    for name, want in truth["fp32"].items():
+        assert_exact(ckpt.read(name, "fp32"), want, f"{name}/fp32")
+        entry = manifest.params[name]
+        assert entry.requires_grad and entry.group is not None
+    for name, states in (truth["optim"] or {}).items():
+        for key, want in states.items():
+            assert_exact(ckpt.read(name, key), want, f"{name}/{key}")
+    if truth["optim"] is not None:
+        for name, want in truth["step"].items():
+            assert_step(ckpt.read(name, "step"), want, f"{name}/step")
+    for name, want in truth["frozen"].items():
+        entry = manifest.params[name]
+        assert not entry.requires_grad and entry.group is None, name
+        assert entry.dtype == dtype_name(want.dtype), name
+        assert_exact(ckpt.read(name, "fp32"), want.to(torch.float32), f"{name}/frozen")
+    assert set(manifest.buffers) == set(truth["buffers"])
+    for name, want in truth["buffers"].items():
+        assert_exact(ckpt.read(name, "buffer"), want, f"buffer {name}")
+    assert manifest.tied == truth["shared_params"]
+    for name, want in truth["module"].items():
+        if name in truth["buffers"]:
+            continue
+        got = ckpt.read(manifest.resolve(name), "fp32").to(want.dtype)
+        assert_exact(got, want, f"module {name} (lp from fp32)")
+    assert manifest.optimizer is not None
+    assert len(manifest.optimizer.groups) == len(truth["param_groups"])
+    for index, (group, want) in enumerate(
+        zip(manifest.optimizer.groups, truth["param_groups"], strict=True)
+    ):
+        want = dict(want)
+        assert group.params == want.pop("param_names"), f"group {index} members"
+        got = {k: decode(v) for k, v in group.hyperparams.items()}
+        if case.get("elastic_checkpoint"):
+            assert got == {}, "legacy elastic shards store no param-group hyper-parameters"
+            continue
+        assert plain(got) == plain(want), f"group {index} hyper-parameters"
+    progress = manifest.progress
+    assert progress.global_steps == truth["global_steps"]
+    assert progress.global_samples == truth["global_samples"]
+    assert progress.skipped_steps == truth["skipped_steps"]
+    assert plain(decode(progress.lr_scheduler)) == plain(truth["lr_scheduler"])
+    if truth["loss_scaler"] is not None:
+        assert progress.loss_scaler is not None
+        attributes = {k: decode(v) for k, v in progress.loss_scaler.attributes.items()}
+        for key, want in truth["loss_scaler"].items():
+            assert plain(attributes[key]) == plain(want), f"loss scaler {key}"
+    values = {k: decode(v) for k, v in manifest.client_state.values.items()}
+    for key, want in truth["client_state"].items():
+        assert plain(values[key]) == plain(want), f"client state {key}"

@@ -1,0 +1,342 @@
+"""``ucformat.deepspeed.load``: resume a DeepSpeed engine from a ucformat store.
+
+Call it on every rank after ``deepspeed.initialize``, at any world size and ZeRO stage::
+
+    engine, *_ = deepspeed.initialize(config=cfg, model=model, model_parameters=...)
+    report = ucformat.deepspeed.load(engine, "ckpt.ucf")
+
+Algorithm (per rank, no collective for the reads):
+
+1. open the store and compare the engine's parameters with the manifest (names, shapes,
+   trainable or frozen); with ``strict=True`` any difference fails here, before anything changes;
+2. compute the rank's flat partitions from the engine's parameter order and world size
+   (:mod:`ucformat.layout.partition`) and read exactly those ranges of ``fp32`` and of every
+   optimizer state into new tensors (frozen params and buffers: what the rank holds);
+3. only then write into the engine: fp32 partitions, optimizer state and step, param-group
+   hyper-parameters, frozen params, buffers, lr scheduler, loss scaler, counters; finally the
+   training-dtype weights are refreshed from fp32 (ZeRO-1/2 all-gathers them, as DeepSpeed does).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ucformat.errors import ModelMismatchError
+from ucformat.loaders.deepspeed_engine import EngineView, describe_engine
+from ucformat.loaders.partitions import ReadTally, rank_fragments, read_flat_state
+from ucformat.models import CheckpointManifest
+from ucformat.pyvalue import decode
+from ucformat.reader import BUFFER_STATE, UniversalCheckpoint, open_checkpoint, scalar_value
+from ucformat.spec import FP32_STATE, STEP_STATE
+from ucformat.zarr_io import StoreLike
+
+__all__ = ["LoadReport", "load"]
+
+
+@dataclass
+class LoadReport:
+    """What :func:`load` did on this rank."""
+
+    restored: list[str] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)
+    missing: list[str] = field(default_factory=list)
+    unexpected: list[str] = field(default_factory=list)
+    bytes_read: int = 0
+    bytes_needed: int = 0
+    seconds: float = 0.0
+    client_state: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def read_amplification(self) -> float:
+        """Bytes fetched from the store per byte this rank needed."""
+        return self.bytes_read / self.bytes_needed if self.bytes_needed else 0.0
+
+
+def load(
+    engine: Any,
+    store: StoreLike | UniversalCheckpoint,
+    *,
+    load_optimizer_states: bool = True,
+    load_lr_scheduler_states: bool = True,
+    load_module_extras: bool = True,
+    strict: bool = True,
+) -> LoadReport:
+    """Load a ucformat store into a DeepSpeed ZeRO engine on this rank.
+
+    Args:
+        engine: the ``DeepSpeedEngine`` returned by ``deepspeed.initialize``.
+        store: a store path/URL/``Store``, or an already opened checkpoint.
+        load_optimizer_states: also restore optimizer states, step and hyper-parameters
+            (``False`` reads no optimizer arrays).
+        load_lr_scheduler_states: restore the lr scheduler's state.
+        load_module_extras: restore frozen parameters and buffers.
+        strict: fail (before modifying anything) when the engine's parameters differ from the
+            store's; ``False`` loads the intersection and lists the rest in the report.
+
+    Returns:
+        A :class:`LoadReport`, including the client state saved with the checkpoint.
+
+    Raises:
+        ModelMismatchError: the models differ and ``strict`` is set.
+        UCFormatError: the store is incomplete, corrupt or unsupported.
+    """
+    started = time.perf_counter()
+    ckpt = store if isinstance(store, UniversalCheckpoint) else open_checkpoint(store)
+    before = ckpt.stats.bytes_read
+    view = describe_engine(engine)
+    manifest = ckpt.manifest
+    report = LoadReport()
+    trainable = {name for t in view.targets for name in t.names}
+    frozen = _frozen_params(engine, trainable, load_module_extras)
+    buffers = _buffers(engine) if load_module_extras else {}
+    _compare_models(
+        view, manifest, trainable, frozen, buffers, report, load_optimizer_states, strict
+    )
+
+    tally = ReadTally()
+    state_keys = (
+        manifest.optimizer.state_keys if (load_optimizer_states and manifest.optimizer) else []
+    )
+    fp32_parts: list[torch.Tensor] = []
+    optim_parts: list[dict[str, torch.Tensor]] = []
+    for target in view.targets:
+        fragments = rank_fragments(target, (n for n in target.names if _has(manifest, n)))
+        fp32_parts.append(
+            read_flat_state(ckpt, target, fragments, FP32_STATE, tally, torch.float32)
+        )
+        with_state = [f for f in fragments if _has_states(manifest, f.name, state_keys)]
+        optim_parts.append(
+            {key: read_flat_state(ckpt, target, with_state, key, tally) for key in state_keys}
+        )
+    frozen_values = {
+        name: _read_frozen(ckpt, view, name, param, tally)
+        for name, param in frozen.items()
+        if _has(manifest, name)
+    }
+    buffer_values = {
+        name: ckpt.read(name, BUFFER_STATE) for name in buffers if name in manifest.buffers
+    }
+    tally.bytes_needed += sum(v.numel() * v.element_size() for v in buffer_values.values())
+
+    # --- nothing above modified the engine; from here on, write ------------------------------
+    with torch.no_grad():
+        for live, value in zip(view.fp32, fp32_parts, strict=True):
+            live.data.copy_(value.to(live.dtype))
+        report.restored.append("fp32 master weights")
+        if state_keys:
+            _restore_optimizer(view, manifest, optim_parts, report)
+        for name, value in frozen_values.items():
+            _write_frozen(view, frozen[name], value)
+        for name, value in buffer_values.items():
+            buffers[name].copy_(value.to(buffers[name].dtype))
+        if frozen_values or buffer_values:
+            report.restored.append(
+                f"{len(frozen_values)} frozen params, {len(buffer_values)} buffers"
+            )
+        view.sync_low_precision()
+        report.restored.append("training-dtype weights (from fp32)")
+    _restore_progress(view, manifest, load_optimizer_states, load_lr_scheduler_states, report)
+    report.client_state = {k: decode(v) for k, v in manifest.client_state.values.items()}
+    report.bytes_read = ckpt.stats.bytes_read - before
+    report.bytes_needed = tally.bytes_needed
+    report.seconds = time.perf_counter() - started
+    return report
+
+
+def _has(manifest: CheckpointManifest, name: str) -> bool:
+    return manifest.resolve(name) in manifest.params
+
+
+def _has_states(manifest: CheckpointManifest, name: str, keys: list[str]) -> bool:
+    entry = manifest.params.get(manifest.resolve(name))
+    return entry is not None and all(k in entry.states for k in keys)
+
+
+def _frozen_params(
+    engine: Any, trainable: set[str], enabled: bool
+) -> dict[str, torch.nn.Parameter]:
+    if not enabled:
+        return {}
+    return {n: p for n, p in engine.module.named_parameters() if n not in trainable}
+
+
+def _buffers(engine: Any) -> dict[str, torch.Tensor]:
+    persistent = set(engine.module.state_dict(keep_vars=True))
+    return {n: b for n, b in engine.module.named_buffers() if n in persistent}
+
+
+def _param_shape(param: torch.Tensor) -> tuple[int, ...]:
+    shape = getattr(param, "ds_shape", None)
+    return tuple(shape) if shape is not None else tuple(param.shape)
+
+
+def _compare_models(
+    view: EngineView,
+    manifest: CheckpointManifest,
+    trainable: set[str],
+    frozen: dict[str, torch.nn.Parameter],
+    buffers: dict[str, torch.Tensor],
+    report: LoadReport,
+    with_optimizer: bool,
+    strict: bool,
+) -> None:
+    params = dict(view.engine.module.named_parameters())
+    wanted = trainable | set(frozen)
+    stored = set(manifest.params)
+    problems: list[str] = []
+    report.missing = sorted(n for n in wanted if not _has(manifest, n))
+    report.unexpected = sorted(stored - {manifest.resolve(n) for n in wanted})
+    if report.missing:
+        problems.append(f"missing from the store: {', '.join(report.missing)}")
+    if report.unexpected:
+        problems.append(f"not in the model: {', '.join(report.unexpected)}")
+    shapes = [
+        f"{n} (model {list(_param_shape(params[n]))}, store {manifest.params[manifest.resolve(n)].shape})"
+        for n in sorted(wanted)
+        if _has(manifest, n)
+        and list(_param_shape(params[n])) != manifest.params[manifest.resolve(n)].shape
+    ]
+    if shapes:
+        problems.append(f"different shapes: {', '.join(shapes)}")
+    if with_optimizer:
+        bare = sorted(
+            n
+            for n in trainable
+            if _has(manifest, n) and manifest.params[manifest.resolve(n)].group is None
+        )
+        if bare:
+            problems.append(
+                f"trainable in the model but stored without optimizer state: {', '.join(bare)}"
+            )
+    stored_buffers = set(manifest.buffers)
+    missing_buffers = sorted(set(buffers) - stored_buffers)
+    if missing_buffers:
+        problems.append(f"buffers missing from the store: {', '.join(missing_buffers)}")
+    if problems and (strict or shapes):
+        raise ModelMismatchError(
+            "the model does not match the checkpoint: "
+            + "; ".join(problems)
+            + ". Nothing was loaded. Pass strict=False to load the matching parameters only."
+        )
+    report.skipped.extend(problems)
+
+
+def _read_frozen(
+    ckpt: UniversalCheckpoint, view: EngineView, name: str, param: torch.Tensor, tally: ReadTally
+) -> torch.Tensor:
+    """This rank's share of a frozen param: the whole tensor, or its ZeRO-3 piece."""
+    owner = ckpt.manifest.resolve(name)
+    ds_tensor = getattr(param, "ds_tensor", None)
+    if view.kind == "zero3" and ds_tensor is not None:
+        numel, piece = int(param.ds_numel), int(ds_tensor.ds_numel)
+        rank = torch.distributed.get_rank(group=view.wrapper._get_param_partition_group(param))
+        start, stop = min(rank * piece, numel), min((rank + 1) * piece, numel)
+        values = ckpt.read_range(owner, FP32_STATE, start, stop)
+        tally.bytes_needed += (stop - start) * 4
+        return values
+    value = ckpt.read(owner, FP32_STATE)
+    tally.bytes_needed += value.numel() * 4
+    return value
+
+
+def _write_frozen(view: EngineView, param: torch.nn.Parameter, value: torch.Tensor) -> None:
+    ds_tensor = getattr(param, "ds_tensor", None)
+    if view.kind == "zero3" and ds_tensor is not None:
+        flat = ds_tensor.data.view(-1)
+        flat.zero_()
+        flat[: value.numel()].copy_(value.to(flat.dtype))
+        return
+    param.data.copy_(value.reshape(param.shape).to(param.dtype))
+
+
+def _target_step(optimizer: torch.optim.Optimizer, value: Any) -> Any:
+    """The step in the type the target optimizer expects (torch: float32 tensor; else int)."""
+    wants_tensor = type(optimizer).__module__.startswith("torch.optim")
+    if wants_tensor:
+        return value.clone() if isinstance(value, torch.Tensor) else torch.tensor(float(value))
+    return int(value.item()) if isinstance(value, torch.Tensor) else value
+
+
+def _restore_optimizer(
+    view: EngineView,
+    manifest: CheckpointManifest,
+    optim_parts: list[dict[str, torch.Tensor]],
+    report: LoadReport,
+) -> None:
+    optimizer = view.base_optimizer
+    for target, states in zip(view.targets, optim_parts, strict=True):
+        key = view.state_key(target.index)
+        state = optimizer.state[key]
+        state.clear()
+        for name, value in states.items():
+            state[name] = value.to(key.device)
+        steps = {
+            repr(scalar_value(manifest.params[manifest.resolve(n)].scalars[STEP_STATE]))
+            for n in target.names
+            if _has(manifest, n) and STEP_STATE in manifest.params[manifest.resolve(n)].scalars
+        }
+        if len(steps) > 1:
+            raise ModelMismatchError(
+                f"flat group {target.index} mixes parameters saved at different optimizer steps "
+                f"({sorted(steps)}); it cannot hold one step."
+            )
+        member = next((n for n in target.names if _has(manifest, n)), None)
+        scalars = manifest.params[manifest.resolve(member)].scalars if member else {}
+        for name, scalar in scalars.items():
+            value = scalar_value(scalar)
+            state[name] = _target_step(optimizer, value) if name == STEP_STATE else value
+    groups = manifest.optimizer.groups if manifest.optimizer else []
+    if len(groups) != len(optimizer.param_groups):
+        report.skipped.append(
+            f"param-group hyper-parameters: the store has {len(groups)} groups, the engine "
+            f"{len(optimizer.param_groups)}"
+        )
+    else:
+        for live, saved in zip(optimizer.param_groups, groups, strict=True):
+            for name, value in saved.hyperparams.items():
+                if name != "params" and name in live:
+                    live[name] = decode(value)
+        report.restored.append("param-group hyper-parameters")
+    view.relink_optimizer_state()
+    report.restored.append(
+        f"optimizer states ({', '.join(manifest.optimizer.state_keys) if manifest.optimizer else ''}) and step"
+    )
+
+
+def _restore_progress(
+    view: EngineView,
+    manifest: CheckpointManifest,
+    with_optimizer: bool,
+    with_scheduler: bool,
+    report: LoadReport,
+) -> None:
+    engine, wrapper, progress = view.engine, view.wrapper, manifest.progress
+    engine.global_steps = progress.global_steps
+    engine.global_samples = progress.global_samples
+    engine.skipped_steps = progress.skipped_steps
+    report.restored.append("global_steps, global_samples, skipped_steps")
+    if with_scheduler and progress.lr_scheduler is not None and engine.lr_scheduler is not None:
+        engine.lr_scheduler.load_state_dict(decode(progress.lr_scheduler))
+        report.restored.append("lr scheduler")
+    if not with_optimizer:
+        return
+    scaler = getattr(wrapper, "loss_scaler", None)
+    saved = progress.loss_scaler
+    if scaler is not None and saved is not None:
+        if type(scaler).__name__ == saved.class_name:
+            for name, value in saved.attributes.items():
+                if name in vars(scaler):
+                    setattr(scaler, name, decode(value))
+            report.restored.append(f"loss scaler ({saved.class_name}, scale {saved.cur_scale:g})")
+        else:
+            report.skipped.append(
+                f"loss scaler: stored {saved.class_name}, engine uses {type(scaler).__name__}"
+            )
+    for name in ("dynamic_loss_scale", "overflow", "clip_grad"):
+        value = getattr(progress, name)
+        if value is not None and hasattr(wrapper, name):
+            setattr(wrapper, name, value)

@@ -1,0 +1,1 @@
+"""Loaders: fill a training job's partitions from a ucformat store."""

@@ -1,0 +1,175 @@
+"""Look inside a live DeepSpeed engine: its flat partitions, and how to write into them.
+
+Supports the three ZeRO optimizer wrappers of DeepSpeed 0.19 (``DeepSpeedZeroOptimizer``,
+``BF16_Optimizer``, ``DeepSpeedZeroOptimizer_Stage3``). The partition *ranges* are computed by
+:mod:`ucformat.layout.partition` from the engine's parameter order and world size; the engine's
+own buffer lengths are only used to cross-check them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ucformat.errors import LayoutMismatchError, UnsupportedCheckpointError
+from ucformat.layout.partition import PartitionedFlatLayout, PerParamLayout
+from ucformat.loaders.partitions import FlatTarget
+
+__all__ = ["EngineView", "describe_engine"]
+
+
+@dataclass
+class EngineView:
+    """What ucformat needs to know about, and do to, a DeepSpeed engine."""
+
+    engine: Any
+    wrapper: Any
+    kind: str
+    stage: int
+    targets: list[FlatTarget]
+    #: The live fp32 partition of each target (same order).
+    fp32: list[torch.Tensor]
+    #: id(param) -> fqn (owner names; tied aliases resolve to their owner).
+    names: dict[int, str]
+
+    @property
+    def base_optimizer(self) -> torch.optim.Optimizer:
+        """The wrapped torch optimizer holding state and param groups."""
+        optimizer: torch.optim.Optimizer = self.wrapper.optimizer
+        return optimizer
+
+    def state_key(self, index: int) -> torch.Tensor:
+        """The tensor the base optimizer keys target ``index``'s state by."""
+        return self.fp32[index]
+
+    def sync_low_precision(self) -> None:
+        """Copy fp32 partitions into the training-dtype weights (ZeRO-1/2: and all-gather)."""
+        if self.kind == "zero3":
+            wrapper = self.wrapper
+            for sub_group, fp32 in enumerate(self.fp32):
+                if fp32.numel() == 0:
+                    continue
+                flat = wrapper.fp16_partitioned_groups_flat[sub_group]
+                flat.data.copy_(fp32.data)
+                pieces = wrapper.fp16_partitioned_groups[sub_group]
+                for piece, updated in zip(pieces, wrapper.unflatten(flat, pieces), strict=True):
+                    piece.data = updated.data
+            return
+        self.wrapper.update_lp_params()
+
+    def relink_optimizer_state(self) -> None:
+        """Point DeepSpeed's per-param fragment views at the newly loaded optimizer state."""
+        if self.kind in ("zero12", "bf16") and hasattr(self.wrapper, "_hp_optimizer_states_linked"):
+            self.wrapper._hp_optimizer_states_linked = False
+            self.wrapper._lazy_init_hp_params_optimizer_state()
+
+
+def _names(engine: Any) -> dict[int, str]:
+    return {id(p): name for name, p in engine.module.named_parameters()}
+
+
+def _group_rank(group: Any) -> tuple[int, int]:
+    return dist.get_rank(group=group), dist.get_world_size(group=group)
+
+
+def describe_engine(engine: Any) -> EngineView:
+    """Build the :class:`EngineView` of ``engine``.
+
+    Raises:
+        UnsupportedCheckpointError: no ZeRO optimizer, MoE, or NVMe offload.
+        LayoutMismatchError: ucformat's partition math disagrees with the engine's buffers.
+    """
+    wrapper = getattr(engine, "optimizer", None)
+    kind = type(wrapper).__name__
+    names = _names(engine)
+    if getattr(engine, "has_moe_layers", False):
+        raise UnsupportedCheckpointError("MoE engines are not supported by ucformat's loader yet.")
+    if kind == "DeepSpeedZeroOptimizer":
+        return _zero12(engine, wrapper, names)
+    if kind == "BF16_Optimizer":
+        return _bf16(engine, wrapper, names)
+    if kind == "DeepSpeedZeroOptimizer_Stage3":
+        return _zero3(engine, wrapper, names)
+    raise UnsupportedCheckpointError(
+        f"engine optimizer is {kind}; ucformat loads into ZeRO stage 1, 2 or 3 engines "
+        "(DeepSpeedZeroOptimizer, BF16_Optimizer, DeepSpeedZeroOptimizer_Stage3)."
+    )
+
+
+def _name_of(names: dict[int, str], param: torch.Tensor) -> str:
+    name = names.get(id(param))
+    if name is None:
+        raise UnsupportedCheckpointError(
+            "the engine's optimizer holds a parameter that is not in engine.module; ucformat "
+            "matches parameters by name and cannot load it."
+        )
+    return name
+
+
+def _check_length(kind: str, index: int, computed: int, actual: int) -> None:
+    if computed != actual:
+        raise LayoutMismatchError(
+            f"{kind} flat group {index}: the engine's fp32 partition has {actual} elements but "
+            f"ucformat computes {computed} from the parameter order and world size; this "
+            "DeepSpeed version partitions differently and is not supported."
+        )
+
+
+def _zero12(engine: Any, wrapper: Any, names: dict[int, str]) -> EngineView:
+    targets: list[FlatTarget] = []
+    fp32: list[torch.Tensor] = []
+    for index, params in enumerate(wrapper.round_robin_bit16_groups):
+        rank, world = _group_rank(wrapper.real_dp_process_group[index])
+        members = [(_name_of(names, p), p.numel()) for p in params]
+        pads = list(wrapper.round_robin_bit16_padding[index])
+        layout = PartitionedFlatLayout.build(members, world, pads)
+        partition = wrapper.single_partition_of_fp32_groups[index]
+        _check_length("ZeRO-1/2", index, layout.partition_size, partition.numel())
+        targets.append(FlatTarget(index, index, layout, rank, partition.numel()))
+        fp32.append(partition)
+    stage = int(engine.zero_optimization_stage())
+    return EngineView(engine, wrapper, "zero12", stage, targets, fp32, names)
+
+
+def _bf16(engine: Any, wrapper: Any, names: dict[int, str]) -> EngineView:
+    targets: list[FlatTarget] = []
+    fp32: list[torch.Tensor] = []
+    for index, params in enumerate(wrapper.bf16_groups):
+        rank, world = _group_rank(wrapper.real_dp_process_group[index])
+        layout = PartitionedFlatLayout.build(
+            [(_name_of(names, p), p.numel()) for p in params], world
+        )
+        partition = wrapper.fp32_groups_flat_partition[index]
+        _check_length("BF16_Optimizer", index, layout.partition_size, partition.numel())
+        targets.append(FlatTarget(index, index, layout, rank, partition.numel()))
+        fp32.append(partition)
+    return EngineView(engine, wrapper, "bf16", 1, targets, fp32, names)
+
+
+def _zero3(engine: Any, wrapper: Any, names: dict[int, str]) -> EngineView:
+    if getattr(wrapper, "swap_optimizer", False) or getattr(wrapper, "offload_param", False):
+        raise UnsupportedCheckpointError(
+            "ZeRO-3 with NVMe optimizer swapping or parameter offload is not supported by "
+            "ucformat's loader yet."
+        )
+    targets: list[FlatTarget] = []
+    fp32: list[torch.Tensor] = []
+    for index, params in enumerate(wrapper.fp16_groups):
+        rank, world = _group_rank(wrapper._get_param_partition_group(params[0]))
+        layout = PerParamLayout.build([(_name_of(names, p), p.ds_numel) for p in params], world)
+        for slot, param in zip(layout.slots, params, strict=True):
+            if layout.piece_size(slot.numel) != param.ds_tensor.ds_numel:
+                raise LayoutMismatchError(
+                    f"ZeRO-3 param '{slot.name}': the engine's partition holds "
+                    f"{param.ds_tensor.ds_numel} elements but ucformat computes "
+                    f"{layout.piece_size(slot.numel)}; not supported."
+                )
+        partition = wrapper.fp32_partitioned_groups_flat[index]
+        _check_length("ZeRO-3", index, layout.partition_size, partition.numel())
+        group = int(wrapper.sub_group_to_group_id[index])
+        targets.append(FlatTarget(index, group, layout, rank, partition.numel()))
+        fp32.append(partition)
+    return EngineView(engine, wrapper, "zero3", 3, targets, fp32, names)

@@ -1,0 +1,100 @@
+"""Fill a rank's flat partitions from a store: the framework-neutral half of every loader.
+
+A loader describes what the rank holds as :class:`FlatTarget` objects (one flat buffer per
+optimizer group or sub-group, laid out by :mod:`ucformat.layout.partition`); this module turns
+them into reads of exactly the flat ranges the rank owns and returns freshly filled tensors.
+Nothing of the caller's state is touched here, so a failed read leaves the model as it was.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from ucformat.dtypes import itemsize, numpy_storage_dtype, storage_to_torch
+from ucformat.layout.partition import Fragment, PartitionedFlatLayout, PerParamLayout
+from ucformat.reader import UniversalCheckpoint
+from ucformat.spec import FP32_STATE
+
+__all__ = ["FlatTarget", "ReadTally", "read_flat_state", "rank_fragments"]
+
+
+@dataclass(frozen=True)
+class FlatTarget:
+    """One flat partition of the target on this rank.
+
+    Attributes:
+        index: the flat group (ZeRO-1/2 param group, ZeRO-3 sub-group) number.
+        group: the optimizer param group it belongs to.
+        layout: how parameters map onto the flat buffer at the target's world size.
+        rank: this rank's index in the partition's process group.
+        numel: length of this rank's flat buffer.
+    """
+
+    index: int
+    group: int
+    layout: PartitionedFlatLayout | PerParamLayout
+    rank: int
+    numel: int
+
+    @property
+    def names(self) -> list[str]:
+        """Member parameters in flat order."""
+        return [slot.name for slot in self.layout.slots]
+
+
+@dataclass
+class ReadTally:
+    """Bytes this rank needed (exact ranges), for the over-read report."""
+
+    bytes_needed: int = 0
+    arrays: set[str] = field(default_factory=set)
+
+
+def rank_fragments(target: FlatTarget, available: Iterable[str]) -> list[Fragment]:
+    """The fragments this rank owns whose parameter the store has."""
+    keep = set(available)
+    return [f for f in target.layout.fragments(target.rank) if f.name in keep]
+
+
+def read_flat_state(
+    ckpt: UniversalCheckpoint,
+    target: FlatTarget,
+    fragments: Sequence[Fragment],
+    state: str,
+    tally: ReadTally,
+    dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """A new 1-D tensor of ``target.numel`` elements holding ``state`` where the rank owns data.
+
+    Elements outside the fragments (padding, parameters the store lacks) are zero.
+    ``dtype`` defaults to the stored dtype (``float32`` for ``fp32``).
+    """
+    manifest = ckpt.manifest
+    refs = {f.name: ckpt.array_ref(f.name, state) for f in fragments}
+    stored = {ref.dtype for ref in refs.values()} or {"float32"}
+    if len(stored) != 1:
+        raise ValueError(f"state '{state}' has mixed dtypes {sorted(stored)} in one flat group")
+    stored_dtype = stored.pop()
+    if state == FP32_STATE and stored_dtype != "float32":
+        stored_dtype = "float32"
+    out = np.zeros(target.numel, dtype=numpy_storage_dtype(stored_dtype))
+    for fragment in fragments:
+        ref = refs[fragment.name]
+        window = out[fragment.partition_start : fragment.partition_start + fragment.length]
+        if ref.dtype == stored_dtype:
+            ckpt.read_range_into(ref, fragment.param_start, fragment.param_stop, window)
+        else:  # e.g. a frozen bf16 param read as fp32
+            values = ckpt.read_range(
+                manifest.resolve(fragment.name), state, fragment.param_start, fragment.param_stop
+            )
+            window[:] = values.to(torch.float32).numpy()
+        tally.bytes_needed += fragment.length * itemsize(ref.dtype)
+        tally.arrays.add(ref.path)
+    tensor = storage_to_torch(out, stored_dtype)
+    if dtype is not None and tensor.dtype != dtype:
+        tensor = tensor.to(dtype)
+    return tensor
