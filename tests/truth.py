@@ -106,3 +106,55 @@ def assert_store_matches_truth(ckpt: UniversalCheckpoint, truth: dict[str, Any])
     values = {k: decode(v) for k, v in manifest.client_state.values.items()}
     for key, want in truth["client_state"].items():
         assert plain(values[key]) == plain(want), f"client state {key}"
+
+
+def _tensor_mismatch(got: Any, want: Any) -> str | None:
+    if not isinstance(got, torch.Tensor) or not isinstance(want, torch.Tensor):
+        return None if (type(got) is type(want) and got == want) else f"{got!r} != {want!r}"
+    if got.dtype != want.dtype or got.shape != want.shape:
+        return f"{got.dtype}{tuple(got.shape)} != {want.dtype}{tuple(want.shape)}"
+    same = torch.equal(
+        got.contiguous().view(-1).view(torch.uint8), want.contiguous().view(-1).view(torch.uint8)
+    )
+    if same:
+        return None
+    return f"values differ (max abs diff {(got.double() - want.double()).abs().max().item():.3g})"
+
+
+def compare_truths(got: dict[str, Any], want: dict[str, Any], *, with_optimizer: bool) -> list[str]:
+    """Mismatches between the truth of a loaded engine (``got``) and of the saved one (``want``)."""
+    failures: list[str] = []
+
+    def check(what: str, a: Any, b: Any) -> None:
+        problem = _tensor_mismatch(a, b)
+        if problem:
+            failures.append(f"{what}: {problem}")
+
+    for section in ("fp32", "module"):
+        if set(got[section]) != set(want[section]):
+            failures.append(f"{section} names {sorted(got[section])} != {sorted(want[section])}")
+        for name in sorted(set(got[section]) & set(want[section])):
+            check(f"{section} {name}", got[section][name], want[section][name])
+    if got["shared_params"] != want["shared_params"]:
+        failures.append(f"shared params {got['shared_params']} != {want['shared_params']}")
+    for key in ("global_steps", "global_samples", "skipped_steps"):
+        check(key, got[key], want[key])
+    if plain(got["lr_scheduler"]) != plain(want["lr_scheduler"]):
+        failures.append(f"lr scheduler {got['lr_scheduler']} != {want['lr_scheduler']}")
+    if not with_optimizer:
+        return failures
+    if want["optim"] is not None:
+        for name, states in want["optim"].items():
+            for key, value in states.items():
+                check(f"{key} {name}", got["optim"][name][key], value)
+        for name, value in want["step"].items():
+            check(f"step {name}", got["step"].get(name), value)
+    if not want["case"].get("elastic_checkpoint"):
+        got_groups = [plain(g) for g in got["param_groups"]]
+        want_groups = [plain(g) for g in want["param_groups"]]
+        if got_groups != want_groups:
+            failures.append(f"param groups {got_groups} != {want_groups}")
+    if want["loss_scaler"] is not None and got["loss_scaler"] is not None:
+        if plain(got["loss_scaler"]) != plain(want["loss_scaler"]):
+            failures.append(f"loss scaler {got['loss_scaler']} != {want['loss_scaler']}")
+    return failures

@@ -296,9 +296,11 @@ def _restore_optimizer(
             f"{len(optimizer.param_groups)}"
         )
     else:
+        stored_class = manifest.optimizer.name.rpartition(".")[2] if manifest.optimizer else ""
+        same_class = stored_class == type(optimizer).__name__
         for live, saved in zip(optimizer.param_groups, groups, strict=True):
             for name, value in saved.hyperparams.items():
-                if name != "params" and name in live:
+                if name != "params" and (same_class or name in live):
                     live[name] = decode(value)
         report.restored.append("param-group hyper-parameters")
     view.relink_optimizer_state()

@@ -19,6 +19,7 @@ __all__ = [
     "ManifestError",
     "ModelMismatchError",
     "NotACheckpointError",
+    "NotAStoreError",
     "ParamNotFoundError",
     "SourceNotFoundError",
     "StoreExistsError",
@@ -83,6 +84,10 @@ class UnsupportedVersionError(ManifestError):
 
 class IncompleteStoreError(ManifestError, FileNotFoundError):
     """The store has no committed manifest (an interrupted or running convert)."""
+
+
+class NotAStoreError(ManifestError, FileNotFoundError):
+    """The path holds neither a ucformat manifest nor the root of a ucformat zarr store."""
 
 
 class StoreExistsError(UCFormatError, FileExistsError):

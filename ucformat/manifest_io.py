@@ -17,12 +17,28 @@ from typing import Any
 from pydantic import ValidationError
 from zarr.abc.store import Store
 
-from ucformat.errors import IncompleteStoreError, ManifestError, UnsupportedVersionError
+from ucformat.errors import (
+    IncompleteStoreError,
+    ManifestError,
+    NotAStoreError,
+    UnsupportedVersionError,
+)
 from ucformat.models import CheckpointManifest
 from ucformat.spec import FORMAT_NAME, FORMAT_VERSION, MANIFEST_KEY
 from ucformat.zarr_io import read_key, write_key
 
-__all__ = ["commit_manifest", "manifest_digest", "parse_manifest", "read_manifest"]
+__all__ = [
+    "ROOT_KEY",
+    "commit_manifest",
+    "digest_matches",
+    "manifest_digest",
+    "parse_manifest",
+    "read_manifest",
+    "read_manifest_bytes",
+]
+
+#: The root group's metadata object: written first, so its presence marks a started convert.
+ROOT_KEY = "zarr.json"
 
 
 def manifest_digest(manifest: CheckpointManifest) -> str:
@@ -41,19 +57,58 @@ def commit_manifest(store: Store, manifest: CheckpointManifest) -> CheckpointMan
 
 
 def read_manifest(store: Store, where: str) -> CheckpointManifest:
-    """Read and fully validate the manifest of ``store`` (``where`` names it in messages)."""
+    """Read and fully validate the manifest of ``store`` (``where`` names it in messages).
+
+    Raises:
+        NotAStoreError: neither a manifest nor a ucformat root group is there.
+        IncompleteStoreError: the root group exists but the manifest does not (a convert was
+            interrupted or is still running).
+        ManifestError: the manifest is damaged, invalid or edited (see :func:`parse_manifest`).
+    """
+    return parse_manifest(read_manifest_bytes(store, where), where)
+
+
+def read_manifest_bytes(store: Store, where: str) -> bytes:
+    """The manifest object of ``store``; the errors of :func:`read_manifest` when absent."""
     payload = read_key(store, MANIFEST_KEY)
-    if payload is None:
-        raise IncompleteStoreError(
-            f"{where}: no {MANIFEST_KEY}; this is not a complete ucformat store (a convert that "
-            "was interrupted or is still running leaves it out). Re-run "
-            "'ucformat convert ... --overwrite'."
+    if payload is not None:
+        return payload
+    root = read_key(store, ROOT_KEY)
+    if root is None:
+        raise NotAStoreError(
+            f"{where}: not a ucformat store (no {MANIFEST_KEY} and no {ROOT_KEY}); give the path "
+            "of a store written by 'ucformat convert'."
         )
-    return parse_manifest(payload, where)
+    if not _is_ucformat_root(root):
+        raise NotAStoreError(
+            f"{where}: a zarr store, but not a ucformat one (its {ROOT_KEY} has no "
+            f"'{FORMAT_NAME}' attribute and there is no {MANIFEST_KEY})."
+        )
+    raise IncompleteStoreError(
+        f"{where}: incomplete ucformat store: {ROOT_KEY} is there but {MANIFEST_KEY} is not, so "
+        "the convert that wrote it was interrupted or is still running. Re-run "
+        "'ucformat convert ... --overwrite'."
+    )
 
 
-def parse_manifest(payload: bytes, where: str) -> CheckpointManifest:
-    """Validate manifest bytes: JSON, format name, version gate, schema, digest."""
+def _is_ucformat_root(payload: bytes) -> bool:
+    try:
+        document = json.loads(payload)
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        return True  # damaged, but written by a convert: call it incomplete
+    attributes = document.get("attributes") if isinstance(document, dict) else None
+    return isinstance(attributes, dict) and FORMAT_NAME in attributes
+
+
+def parse_manifest(payload: bytes, where: str, *, check_digest: bool = True) -> CheckpointManifest:
+    """Validate manifest bytes: JSON, format name, version gate, schema, digest.
+
+    Args:
+        payload: the manifest bytes.
+        where: names the store in messages.
+        check_digest: refuse a manifest whose digest does not match (``verify`` turns this off
+            to report the mismatch and still check the arrays).
+    """
     try:
         data: Any = json.loads(payload)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -75,12 +130,17 @@ def parse_manifest(payload: bytes, where: str) -> CheckpointManifest:
             f"{where}/{MANIFEST_KEY}: invalid manifest at '{location}': {first['msg']} "
             f"({exc.error_count()} error(s) in all)."
         ) from None
-    if manifest.digest is not None and manifest.digest != manifest_digest(manifest):
+    if check_digest and not digest_matches(manifest):
         raise ManifestError(
             f"{where}/{MANIFEST_KEY}: digest mismatch; the manifest was edited after it was "
             "written. Restore it or re-run the convert."
         )
     return manifest
+
+
+def digest_matches(manifest: CheckpointManifest) -> bool:
+    """Whether ``manifest.digest`` is absent or equals the digest of its content."""
+    return manifest.digest is None or manifest.digest == manifest_digest(manifest)
 
 
 def _check_version(version: str, where: str) -> None:

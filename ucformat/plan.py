@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import bisect
 import itertools
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
 from math import prod
 
 from ucformat._version import __version__
 from ucformat.dtypes import itemsize
-from ucformat.layout.chunking import ChunkPolicy, choose_chunking
+from ucformat.layout.chunking import Chunking, ChunkPolicy, choose_chunking
 from ucformat.layout.ranges import check_tiling
 from ucformat.models import ArrayRef, BufferEntry, CheckpointManifest, ParamEntry
 from ucformat.sources.base import ArraySource, SourceCheckpoint, SourceFragment
@@ -35,8 +35,11 @@ __all__ = ["ConvertOptions", "ConvertPlan", "CopyItem", "WriteUnit", "plan_conve
 class ConvertOptions:
     """How to lay the store out."""
 
-    policy: ChunkPolicy = ChunkPolicy()
+    policy: ChunkPolicy = field(default_factory=ChunkPolicy)
     compressor: str = "none"
+    #: Chunk and shard shapes for these array paths, instead of the policy's choice (``verify``
+    #: re-plans a source in the layout of an existing store).
+    layouts: Mapping[str, Chunking] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -86,7 +89,9 @@ def plan_convert(source: SourceCheckpoint, options: ConvertOptions) -> ConvertPl
 
     def add(path: str, array: ArraySource, what: str) -> ArrayRef:
         check_tiling(what, array.numel, ((f.start, f.start + f.length) for f in array.fragments))
-        chunking = choose_chunking(array.shape, itemsize(array.dtype), options.policy)
+        chunking = options.layouts.get(path)
+        if chunking is None or len(chunking.chunk_shape) != len(array.shape):
+            chunking = choose_chunking(array.shape, itemsize(array.dtype), options.policy)
         ref = ArrayRef(
             path=path,
             dtype=array.dtype,  # type: ignore[arg-type]

@@ -17,6 +17,7 @@ from zarr.abc.store import Store
 
 from ucformat.dtypes import numpy_storage_dtype, storage_to_torch, torch_dtype
 from ucformat.errors import ParamNotFoundError
+from ucformat.layout.chunking import chunk_aligned_range
 from ucformat.layout.ranges import flat_range_to_boxes
 from ucformat.manifest_io import read_manifest
 from ucformat.models import ArrayRef, CheckpointManifest, ScalarState
@@ -145,9 +146,13 @@ class UniversalCheckpoint:
 
     def read_range_into(self, ref: ArrayRef, start: int, stop: int, out: np.ndarray) -> None:
         """Fill ``out`` (storage dtype, length ``stop - start``) with flat elements of ``ref``."""
+        if start >= stop:
+            return
         array = self._array(ref)
-        position = 0
-        for box in flat_range_to_boxes(ref.shape, start, stop):
-            values = read_box(array, box).reshape(-1)
-            out[position : position + values.size] = values
-            position += values.size
+        low, high = chunk_aligned_range(ref.shape, ref.chunk_shape, start, stop)
+        boxes = flat_range_to_boxes(ref.shape, low, high)
+        if len(boxes) == 1:
+            values = read_box(array, boxes[0]).reshape(-1)
+        else:
+            values = np.concatenate([read_box(array, box).reshape(-1) for box in boxes])
+        out[:] = values[start - low : stop - low]

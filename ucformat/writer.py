@@ -18,10 +18,11 @@ import zarr
 from zarr.abc.store import Store
 
 from ucformat.dtypes import numpy_storage_dtype, torch_to_storage
+from ucformat.models import ArrayRef
 from ucformat.plan import ConvertPlan, WriteUnit
 from ucformat.zarr_io import create_array, write_region
 
-__all__ = ["create_arrays", "write_units"]
+__all__ = ["create_arrays", "fill_unit", "write_units"]
 
 Progress = Callable[[int], None]
 
@@ -29,6 +30,20 @@ Progress = Callable[[int], None]
 def create_arrays(store: Store, plan: ConvertPlan) -> list[zarr.Array[Any]]:
     """Create every array of ``plan`` (metadata only), in plan order."""
     return [create_array(store, ref) for ref in plan.arrays]
+
+
+def fill_unit(ref: ArrayRef, unit: WriteUnit) -> np.ndarray:
+    """The flat values of ``unit``'s shard (storage dtype), read from the source files."""
+    buffer = np.zeros(unit.numel, dtype=numpy_storage_dtype(ref.dtype))
+    for copy in unit.copies:
+        target = buffer[copy.offset : copy.offset + copy.length]
+        tensor = copy.fragment.tensor
+        if tensor.is_contiguous():
+            tensor.read_into(target, copy.tensor_start, copy.tensor_start + copy.length)
+        else:
+            whole = torch_to_storage(tensor.load()).reshape(-1)
+            target[:] = whole[copy.tensor_start : copy.tensor_start + copy.length]
+    return buffer
 
 
 def write_units(
@@ -50,16 +65,7 @@ def write_units(
     """
 
     def run(unit: WriteUnit) -> int:
-        ref = plan.arrays[unit.array]
-        buffer = np.zeros(unit.numel, dtype=numpy_storage_dtype(ref.dtype))
-        for copy in unit.copies:
-            target = buffer[copy.offset : copy.offset + copy.length]
-            tensor = copy.fragment.tensor
-            if tensor.is_contiguous():
-                tensor.read_into(target, copy.tensor_start, copy.tensor_start + copy.length)
-            else:
-                whole = torch_to_storage(tensor.load()).reshape(-1)
-                target[:] = whole[copy.tensor_start : copy.tensor_start + copy.length]
+        buffer = fill_unit(plan.arrays[unit.array], unit)
         shape = tuple(s.stop - s.start for s in unit.region)
         write_region(arrays[unit.array], unit.region, buffer.reshape(shape))
         return buffer.nbytes

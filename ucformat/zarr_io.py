@@ -7,35 +7,50 @@ each shard. ``write_empty_chunks`` is on, so every shard of a complete store exi
 one is a loss, never a silent fill value.
 
 Reads go through :class:`CheckedStore`, which counts the bytes and requests a reader makes and
-turns a missing data object into :class:`~ucformat.errors.ChunkMissingError`.
+turns a missing data object into :class:`~ucformat.errors.ChunkMissingError`. A chunk that fails
+its checksum, or array metadata that cannot be parsed, is a
+:class:`~ucformat.errors.CorruptDataError` naming the array and the chunk: never data.
 """
 
 from __future__ import annotations
 
+import functools
+import json
 import threading
-from collections.abc import AsyncIterator, Iterable
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import zarr
-from zarr.abc.store import ByteRequest, Store
+from zarr.abc.store import ByteRequest, Store, SuffixByteRequest
 from zarr.codecs import BytesCodec, Crc32cCodec, ZstdCodec
 from zarr.core.buffer import Buffer, BufferPrototype, default_buffer_prototype
 from zarr.core.sync import sync
-from zarr.storage import FsspecStore, LocalStore, WrapperStore
+from zarr.storage import FsspecStore, LocalStore, MemoryStore, WrapperStore
 
 from ucformat.dtypes import numpy_storage_dtype
-from ucformat.errors import ChunkMissingError, CorruptDataError, SourceNotFoundError
+from ucformat.errors import (
+    ChunkMissingError,
+    CorruptDataError,
+    NotAStoreError,
+    SourceNotFoundError,
+)
+from ucformat.layout.grid import chunk_box, chunk_flat_range, chunks_in_box
 from ucformat.models import ArrayRef
 
 __all__ = [
+    "BadChunk",
     "CheckedStore",
     "IOStats",
     "StoreLike",
+    "bad_chunks",
+    "chunk_key",
     "create_array",
     "delete_key",
+    "expected_metadata",
     "list_keys",
     "open_array",
     "open_store",
@@ -63,20 +78,50 @@ class IOStats:
             self.requests += 1
 
 
-class CheckedStore(WrapperStore[Store]):
-    """A store wrapper that counts reads and refuses missing data objects."""
+class _IndexCache:
+    """Recently read shard indexes (suffix reads), so a reader fetches each index once."""
 
-    def __init__(self, store: Store, stats: IOStats | None = None) -> None:
+    def __init__(self, capacity: int = 4096) -> None:
+        self.capacity = capacity
+        self._items: OrderedDict[tuple[str, int], Buffer] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, key: tuple[str, int]) -> Buffer | None:
+        with self._lock:
+            value = self._items.get(key)
+            if value is not None:
+                self._items.move_to_end(key)
+            return value
+
+    def put(self, key: tuple[str, int], value: Buffer) -> None:
+        with self._lock:
+            self._items[key] = value
+            while len(self._items) > self.capacity:
+                self._items.popitem(last=False)
+
+
+class CheckedStore(WrapperStore[Store]):
+    """A store wrapper that counts reads, caches shard indexes and refuses missing data."""
+
+    def __init__(
+        self, store: Store, stats: IOStats | None = None, cache: _IndexCache | None = None
+    ) -> None:
         super().__init__(store)
         self.stats = stats if stats is not None else IOStats()
+        self._cache = cache if cache is not None else _IndexCache()
 
     def _with_store(self, store: Store) -> CheckedStore:
-        return CheckedStore(store, self.stats)
+        return CheckedStore(store, self.stats, self._cache)
 
     async def get(
         self, key: str, prototype: BufferPrototype, byte_range: ByteRequest | None = None
     ) -> Buffer | None:
+        cache_key = (key, byte_range.suffix) if isinstance(byte_range, SuffixByteRequest) else None
+        if cache_key is not None and (cached := self._cache.get(cache_key)) is not None:
+            return cached
         result = await self._store.get(key, prototype, byte_range)
+        if result is not None and cache_key is not None:
+            self._cache.put(cache_key, result)
         if result is None:
             if "/c/" in key or key.split("/")[-1] == "c":
                 raise ChunkMissingError(
@@ -104,6 +149,7 @@ def open_store(target: StoreLike, *, read_only: bool) -> Store:
 
     Raises:
         SourceNotFoundError: a local path opened read-only does not exist.
+        NotAStoreError: a local path opened read-only is a file.
     """
     if isinstance(target, Store):
         return (
@@ -117,6 +163,10 @@ def open_store(target: StoreLike, *, read_only: bool) -> Store:
     path = Path(text.removeprefix("file://"))
     if read_only and not path.exists():
         raise SourceNotFoundError(f"{path}: no such store.")
+    if read_only and not path.is_dir():
+        raise NotAStoreError(
+            f"{path}: is a file, not a ucformat store (a directory written by 'ucformat convert')."
+        )
     return LocalStore(path, read_only=read_only)
 
 
@@ -150,14 +200,88 @@ def create_array(store: Store, ref: ArrayRef) -> zarr.Array[Any]:
     return zarr.create_array(store, **common)
 
 
-def open_array(store: Store, path: str) -> zarr.Array[Any]:
-    """Open an existing array without any zarr v2 probing."""
+def open_array(store: Store, path: str, expect: ArrayRef | None = None) -> zarr.Array[Any]:
+    """Open an existing array without any zarr v2 probing.
+
+    Args:
+        store: the store.
+        path: the array's path.
+        expect: if given, the manifest's description of the array; the opened array's shape,
+            dtype, chunk and shard shapes must match it (docs/format.md §3.1).
+
+    Raises:
+        ChunkMissingError: the array's ``zarr.json`` is missing.
+        CorruptDataError: the ``zarr.json`` cannot be parsed, or disagrees with ``expect``.
+    """
     try:
-        return zarr.open_array(store, path=path, mode="r", zarr_format=3)
+        array = zarr.open_array(store, path=path, mode="r", zarr_format=3)
+    except ChunkMissingError:
+        raise
     except FileNotFoundError:
         raise ChunkMissingError(
             f"{path}: the array's metadata (zarr.json) is missing from the store."
         ) from None
+    except (ValueError, KeyError, TypeError) as exc:
+        raise CorruptDataError(
+            f"{path}/zarr.json: the array's metadata is damaged ({type(exc).__name__}: "
+            f"{str(exc)[:200]}); the store is corrupt (run 'ucformat verify')."
+        ) from None
+    if expect is not None:
+        _check_opened(array, expect)
+    return array
+
+
+def _check_opened(array: zarr.Array[Any], ref: ArrayRef) -> None:
+    found = {
+        "shape": tuple(array.shape),
+        "dtype": str(array.dtype),
+        "chunks": tuple(array.chunks),
+        "shards": tuple(array.shards or ()),
+        "logical dtype": array.attrs.get("ucformat", {}).get("dtype"),
+    }
+    wanted = {
+        "shape": tuple(ref.shape),
+        "dtype": str(numpy_storage_dtype(ref.dtype)),
+        "chunks": tuple(ref.chunk_shape),
+        "shards": tuple(ref.shard_shape),
+        "logical dtype": ref.dtype,
+    }
+    for what, value in wanted.items():
+        if found[what] != value:
+            raise CorruptDataError(
+                f"{ref.path}/zarr.json: {what} is {found[what]}, but the manifest says {value}; "
+                "the array's metadata was changed (run 'ucformat verify')."
+            )
+
+
+@functools.lru_cache(maxsize=256)
+def _expected_document(
+    dtype: str, shape: tuple[int, ...], chunk: tuple[int, ...], shard: tuple[int, ...], comp: str
+) -> str:
+    store = MemoryStore()
+    ref = ArrayRef(
+        path="a", dtype=dtype, shape=list(shape), chunk_shape=list(chunk),  # type: ignore[arg-type]
+        shard_shape=list(shard), nbytes=0, compressor=comp,  # type: ignore[arg-type]
+    )  # fmt: skip
+    create_array(store, ref)
+    document = read_key(store, "a/zarr.json")
+    if document is None:
+        raise RuntimeError("zarr wrote no array metadata")
+    return document.decode()
+
+
+def expected_metadata(ref: ArrayRef) -> dict[str, Any]:
+    """The ``zarr.json`` document :func:`create_array` writes for ``ref``, parsed."""
+    text = _expected_document(
+        ref.dtype, tuple(ref.shape), tuple(ref.chunk_shape), tuple(ref.shard_shape), ref.compressor
+    )
+    document: dict[str, Any] = json.loads(text)
+    return document
+
+
+def chunk_key(array: zarr.Array[Any], coords: tuple[int, ...]) -> str:
+    """The store key of the object holding chunk (or, sharded, shard) ``coords``."""
+    return f"{array.path}/{array.metadata.encode_chunk_key(coords)}"
 
 
 def write_region(array: zarr.Array[Any], region: tuple[slice, ...], data: np.ndarray) -> None:
@@ -166,26 +290,67 @@ def write_region(array: zarr.Array[Any], region: tuple[slice, ...], data: np.nda
 
 
 def read_box(array: zarr.Array[Any], box: tuple[slice, ...]) -> np.ndarray:
-    """Read ``array[box]``; a failed checksum becomes :class:`CorruptDataError`."""
+    """Read ``array[box]``, every chunk checksum verified.
+
+    Raises:
+        ChunkMissingError: an object of the box is missing.
+        CorruptDataError: a chunk fails its checksum or cannot be decoded; the message names
+            the array, the first bad chunk's grid coordinates and its flat element range.
+    """
     try:
         return np.asarray(array[box])
     except ChunkMissingError:
         raise
     except (ValueError, RuntimeError) as exc:
-        if "checksum" in str(exc).lower() or "decode" in str(exc).lower():
+        first = next(bad_chunks(array, box), None)
+        if first is None:  # no single chunk fails alone: describe the read
+            where = "the scalar chunk" if not box else f"elements {_describe_box(box)}"
             raise CorruptDataError(
-                f"{array.path}: stored bytes fail their crc32c checksum in "
-                f"{_describe_box(box)}; the store is corrupt (run 'ucformat verify')."
+                f"{array.path}: cannot decode {where} ({_reason(exc)}); the store is corrupt "
+                "(run 'ucformat verify')."
             ) from None
         raise CorruptDataError(
-            f"{array.path}: cannot decode {_describe_box(box)} ({type(exc).__name__}: {exc})."
+            f"{array.path}: {first.describe()} {first.reason}; the store is corrupt, no values "
+            "were returned (run 'ucformat verify' for a full report)."
         ) from None
 
 
+@dataclass(frozen=True)
+class BadChunk:
+    """A chunk that cannot be read back: grid coordinates, flat element range and why."""
+
+    coords: tuple[int, ...]
+    start: int
+    stop: int
+    reason: str
+
+    def describe(self) -> str:
+        """``chunk (3, 0) (elements [48, 64))``."""
+        coords = "(" + ", ".join(map(str, self.coords)) + ")"
+        return f"chunk {coords} (elements [{self.start}, {self.stop}))"
+
+
+def bad_chunks(array: zarr.Array[Any], box: tuple[slice, ...]) -> Iterator[BadChunk]:
+    """Read every chunk of ``box`` on its own and yield those that fail their checksum."""
+    shape, chunks = tuple(array.shape), tuple(array.chunks)
+    for coords in chunks_in_box(shape, chunks, box):
+        try:
+            np.asarray(array[chunk_box(shape, chunks, coords)])
+        except ChunkMissingError:
+            raise
+        except (ValueError, RuntimeError) as exc:
+            start, stop = chunk_flat_range(shape, chunks, coords)
+            yield BadChunk(coords, start, stop, _reason(exc))
+
+
+def _reason(exc: BaseException) -> str:
+    if "checksum" in str(exc).lower():
+        return "fails its crc32c checksum"
+    return f"cannot be decoded ({type(exc).__name__}: {str(exc)[:200]})"
+
+
 def _describe_box(box: tuple[slice, ...]) -> str:
-    if not box:
-        return "the scalar chunk"
-    return "elements [" + ", ".join(f"{s.start}:{s.stop}" for s in box) + "]"
+    return "[" + ", ".join(f"{s.start}:{s.stop}" for s in box) + "]"
 
 
 def read_key(store: Store, key: str) -> bytes | None:

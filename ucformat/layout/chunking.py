@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from ucformat.layout.partition import ceil_div
 
-__all__ = ["ChunkPolicy", "Chunking", "choose_chunking", "flat_block_shape"]
+__all__ = ["ChunkPolicy", "Chunking", "choose_chunking", "chunk_aligned_range", "flat_block_shape"]
 
 
 @dataclass(frozen=True)
@@ -97,3 +97,37 @@ def choose_chunking(shape: Sequence[int], itemsize: int, policy: ChunkPolicy) ->
     chunks_per_shard = max(1, policy.shard_bytes // (itemsize * chunk_elements))
     block = flat_block_shape(grid, chunks_per_shard)
     return Chunking(chunk, tuple(b * c for b, c in zip(block, chunk, strict=True)))
+
+
+def _chunk_span(shape: Sequence[int], chunk_shape: Sequence[int], index: int) -> tuple[int, int]:
+    """The flat range of the (flat-contiguous) chunk holding flat element ``index``."""
+    coords: list[int] = []
+    rest = index
+    for dim in reversed(shape):
+        coords.append(rest % dim)
+        rest //= dim
+    coords.reverse()
+    corner = [c // k * k for c, k in zip(coords, chunk_shape, strict=True)]
+    start = 0
+    for dim, c in zip(shape, corner, strict=True):
+        start = start * dim + c
+    size = 1
+    for k, dim, c in zip(chunk_shape, shape, corner, strict=True):
+        size *= min(k, dim - c)
+    return start, start + size
+
+
+def chunk_aligned_range(
+    shape: Sequence[int], chunk_shape: Sequence[int], start: int, stop: int
+) -> tuple[int, int]:
+    """Widen the flat range ``[start, stop)`` to whole chunks (chunks are flat-contiguous).
+
+    Reading the widened range costs the same bytes as the exact one (a chunk is the unit of
+    reads) but maps to fewer boxes, often one.
+
+    >>> chunk_aligned_range((10, 4), (3, 4), 5, 14)
+    (0, 24)
+    """
+    if start >= stop or not shape:
+        return start, stop
+    return _chunk_span(shape, chunk_shape, start)[0], _chunk_span(shape, chunk_shape, stop - 1)[1]

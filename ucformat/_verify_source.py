@@ -1,0 +1,80 @@
+"""``verify --against SRC``: the source checkpoint re-planned in the layout of the store.
+
+The source is read with the converter's own reader (:func:`read_deepspeed_checkpoint`) and
+planned with :func:`plan_convert`, but with every array's chunk and shard shapes taken from the
+store's manifest. The plan's manifest is then what the store's manifest must say, and each of its
+:class:`~ucformat.plan.WriteUnit` is exactly one shard of the store: the source fragments that
+must fill it. Filling a unit reads each source byte it needs once; units are disjoint.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ucformat._verify_checks import ManifestArray
+from ucformat.layout.chunking import Chunking
+from ucformat.models import ArrayRef, CheckpointManifest
+from ucformat.plan import ConvertOptions, ConvertPlan, WriteUnit, plan_convert
+from ucformat.sources.deepspeed import read_deepspeed_checkpoint
+from ucformat.sources.safe_unpickle import PicklePolicy
+from ucformat.writer import fill_unit
+
+__all__ = ["SourceShards", "replan_source"]
+
+
+@dataclass(frozen=True)
+class SourceShards:
+    """The re-planned source: its plan, its arrays by path, and their units by first element."""
+
+    plan: ConvertPlan
+    refs: dict[str, ArrayRef]
+    units: dict[str, dict[int, WriteUnit]]
+
+    def expected(self, path: str, flat_start: int) -> np.ndarray | None:
+        """The values (storage dtype, flat) the shard starting at ``flat_start`` must hold."""
+        unit = self.units.get(path, {}).get(flat_start)
+        if unit is None:
+            return None
+        return fill_unit(self.plan.arrays[unit.array], unit)
+
+
+@contextmanager
+def replan_source(
+    src: Path,
+    manifest: CheckpointManifest,
+    arrays: Iterable[ManifestArray],
+    opaque_globals: Iterable[str] = (),
+) -> Iterator[SourceShards]:
+    """Open ``src`` and plan it in the layout of ``manifest``'s arrays; close it on exit.
+
+    If ``src`` is a run folder holding the store's tag, that tag is used; otherwise ``src`` is
+    resolved as ``ucformat convert`` does (a tag folder, or the ``latest`` tag).
+
+    Raises:
+        UCFormatError: the source cannot be read (missing, damaged, hostile, not DeepSpeed).
+    """
+    refs = [array.ref for array in arrays]
+    layouts = {
+        ref.path: Chunking(tuple(ref.chunk_shape), tuple(ref.shard_shape))
+        for ref in refs
+        if len(ref.chunk_shape) == len(ref.shard_shape)
+        and all(size >= 1 for size in (*ref.chunk_shape, *ref.shard_shape))
+    }
+    compressors = {ref.compressor for ref in refs}
+    options = ConvertOptions(
+        compressor=compressors.pop() if len(compressors) == 1 else "none", layouts=layouts
+    )
+    names = frozenset(opaque_globals)
+    policy = PicklePolicy(opaque_globals=names - {"*"}, all_unknown_opaque="*" in names)
+    tag = manifest.source.tag if (src / manifest.source.tag).is_dir() else None
+    with read_deepspeed_checkpoint(src, tag, policy) as source:
+        plan = plan_convert(source, options)
+        units: dict[str, dict[int, WriteUnit]] = {ref.path: {} for ref in plan.arrays}
+        for unit in plan.units:
+            units[plan.arrays[unit.array].path][unit.flat_start] = unit
+        yield SourceShards(plan, {ref.path: ref for ref in plan.arrays}, units)
