@@ -51,7 +51,8 @@ def convert_command(
     opaque_global: Annotated[
         list[str] | None,
         typer.Option(
-            help="Pickle global (module.Name) to keep as an inert placeholder; '*' for all. Repeatable."
+            help="Pickle global (module.Name) to keep as an inert placeholder; '*' for all. "
+            "Repeatable."
         ),
     ] = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar.")] = False,
@@ -69,7 +70,7 @@ def convert_command(
         TransferSpeedColumn(),
         TimeRemainingColumn(),
         console=console,
-        disable=quiet or dry_run,
+        disable=quiet or dry_run or not console.is_terminal,  # no stray lines in logs
         transient=True,
     ) as bar:
         task = bar.add_task("converting", total=None)
@@ -97,8 +98,9 @@ def convert_command(
     what = "would write" if dry_run else "wrote"
     typer.echo(
         f"{what} {len(plan.arrays)} arrays ({shards} shards, {format_bytes(plan.nbytes)}) for "
-        f"{len(manifest.params)} params from DeepSpeed ZeRO-{source.zero_stage} x{source.world_size} "
-        f"{source.train_dtype} (tag {source.tag}) to {dst} in {time.perf_counter() - started:.2f}s"
+        f"{len(manifest.params)} params from DeepSpeed ZeRO-{source.zero_stage} "
+        f"x{source.world_size} {source.train_dtype} (tag {source.tag}) to {dst} in "
+        f"{time.perf_counter() - started:.2f}s"
     )
     if manifest.client_state.unrepresentable:
         kept_out = ", ".join(f"{k} ({t})" for k, t in manifest.client_state.unrepresentable.items())

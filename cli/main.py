@@ -7,6 +7,7 @@ from typing import Annotated
 import typer
 from ucformat_cli.convert import convert_command
 from ucformat_cli.inspect import inspect_command
+from ucformat_cli.verify import verify_command
 
 from ucformat import __version__
 
@@ -37,6 +38,7 @@ def main(
 
 app.command("convert")(convert_command)
 app.command("inspect")(inspect_command)
+app.command("verify")(verify_command)
 
 if __name__ == "__main__":
     app()

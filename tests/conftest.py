@@ -28,3 +28,12 @@ def ds_grid() -> Path:
 
     generate(GRID_CACHE, ALL, verbose=True)
     return GRID_CACHE
+
+
+@pytest.fixture(scope="session")
+def ds_loads(ds_grid: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
+    """Results of every load case (tests/fixtures/load_cases.py), run once per session."""
+    from tests.fixtures.load_cases import ALL_LOADS
+    from tests.fixtures.run_loads import run_loads
+
+    return run_loads(ALL_LOADS, ds_grid, tmp_path_factory.mktemp("loads"))

@@ -7,6 +7,8 @@ bytes of its own partition.
 >>> manifest = ucformat.convert("runs/gpt/global_step800", "ckpt.ucf")  # doctest: +SKIP
 >>> ckpt = ucformat.open("ckpt.ucf")  # doctest: +SKIP
 >>> ckpt.read("layers.0.weight", "exp_avg")  # doctest: +SKIP
+>>> ucformat.verify("ckpt.ucf", against="runs/gpt/global_step800").ok  # doctest: +SKIP
+True
 """
 
 from __future__ import annotations
@@ -17,12 +19,15 @@ from ucformat.errors import UCFormatError
 from ucformat.models import CheckpointManifest
 from ucformat.reader import UniversalCheckpoint
 from ucformat.reader import open_checkpoint as open
+from ucformat.verify import VerifyReport, verify
 
 __all__ = [
     "CheckpointManifest",
     "UCFormatError",
     "UniversalCheckpoint",
+    "VerifyReport",
     "__version__",
     "convert",
     "open",
+    "verify",
 ]

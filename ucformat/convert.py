@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import shutil
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -13,7 +14,7 @@ from zarr.storage import LocalStore
 
 from ucformat.errors import StoreExistsError
 from ucformat.layout.chunking import ChunkPolicy
-from ucformat.manifest_io import commit_manifest
+from ucformat.manifest_io import ROOT_KEY, commit_manifest
 from ucformat.models import CheckpointManifest
 from ucformat.plan import ConvertOptions, ConvertPlan, plan_convert
 from ucformat.sources.deepspeed import read_deepspeed_checkpoint
@@ -23,6 +24,9 @@ from ucformat.writer import create_arrays, write_units
 from ucformat.zarr_io import StoreLike, delete_key, list_keys, open_store
 
 __all__ = ["ConvertHooks", "convert", "plan_from_source"]
+
+#: What zarr's LocalStore leaves at the root when killed while writing a root object.
+_PARTIAL_ROOT = re.compile(r"^(zarr|ucformat)\.[0-9a-f]{32}\.partial$")
 
 
 @dataclass
@@ -139,13 +143,15 @@ def _prepare_destination(store: Store, overwrite: bool) -> bool:
             raise StoreExistsError(
                 f"{root}: already exists and is not empty; pass --overwrite to replace it."
             )
-        if not names & {MANIFEST_KEY, "zarr.json"}:
+        if not names & {MANIFEST_KEY, ROOT_KEY} and not all(map(_PARTIAL_ROOT.match, names)):
             raise StoreExistsError(
-                f"{root}: exists and is not a ucformat store (no zarr.json or {MANIFEST_KEY}); "
+                f"{root}: exists and is not a ucformat store (no {ROOT_KEY} or {MANIFEST_KEY}); "
                 "refusing to overwrite it. Choose an empty or new destination."
             )
-        delete_key(store, MANIFEST_KEY)  # uncommit first: a crash below leaves it incomplete
-        for child in root.iterdir():
+        # Uncommit first and remove the root marker last, so that a crash in between leaves
+        # a store that is incomplete and still recognisably ours (a re-run can overwrite it).
+        delete_key(store, MANIFEST_KEY)
+        for child in sorted(root.iterdir(), key=lambda child: child.name == ROOT_KEY):
             if child.is_dir():
                 shutil.rmtree(child)
             else:
@@ -156,6 +162,6 @@ def _prepare_destination(store: Store, overwrite: bool) -> bool:
         raise StoreExistsError(f"{store}: already holds data; pass --overwrite to replace it.")
     if keys:
         delete_key(store, MANIFEST_KEY)
-        for key in keys:
+        for key in sorted(keys, key=lambda key: key == ROOT_KEY):
             delete_key(store, key)
     return False

@@ -103,10 +103,10 @@ def load(
     )
     fp32_parts: list[torch.Tensor] = []
     optim_parts: list[dict[str, torch.Tensor]] = []
-    for target in view.targets:
+    for target, live in zip(view.targets, view.fp32, strict=True):
         fragments = rank_fragments(target, (n for n in target.names if _has(manifest, n)))
         fp32_parts.append(
-            read_flat_state(ckpt, target, fragments, FP32_STATE, tally, torch.float32)
+            read_flat_state(ckpt, target, fragments, FP32_STATE, tally, torch.float32, base=live)
         )
         with_state = [f for f in fragments if _has_states(manifest, f.name, state_keys)]
         optim_parts.append(

@@ -5,13 +5,15 @@ Commit protocol: every array is written first; the manifest is written last, as 
 incomplete by definition and every reader refuses it.
 
 The manifest carries ``digest``: the sha256 of its canonical JSON (sorted keys, no whitespace)
-with ``digest`` itself set to null, so an edited manifest is detected.
+with ``digest`` itself set to null, so an edited manifest is detected; a manifest without one
+is refused too.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Mapping
 from typing import Any
 
 from pydantic import ValidationError
@@ -31,6 +33,7 @@ __all__ = [
     "ROOT_KEY",
     "commit_manifest",
     "digest_matches",
+    "document_digest",
     "manifest_digest",
     "parse_manifest",
     "read_manifest",
@@ -43,8 +46,18 @@ ROOT_KEY = "zarr.json"
 
 def manifest_digest(manifest: CheckpointManifest) -> str:
     """sha256 (hex) of the canonical JSON of ``manifest`` with ``digest`` cleared."""
-    data = manifest.model_copy(update={"digest": None}).model_dump(mode="json")
-    canonical = json.dumps(data, sort_keys=True, separators=(",", ":"), allow_nan=False)
+    return document_digest(manifest.model_dump(mode="json"))
+
+
+def document_digest(document: Mapping[str, Any]) -> str:
+    """The digest of a manifest as stored: its parsed JSON object, ``digest`` cleared (§3.7).
+
+    Computed on the stored document, not on a re-serialised model, so that a reader that knows
+    optional fields with defaults the writer did not have computes the writer's digest.
+    """
+    canonical = json.dumps(
+        {**document, "digest": None}, sort_keys=True, separators=(",", ":"), allow_nan=False
+    )
     return "sha256:" + hashlib.sha256(canonical.encode()).hexdigest()
 
 
@@ -130,7 +143,12 @@ def parse_manifest(payload: bytes, where: str, *, check_digest: bool = True) -> 
             f"{where}/{MANIFEST_KEY}: invalid manifest at '{location}': {first['msg']} "
             f"({exc.error_count()} error(s) in all)."
         ) from None
-    if check_digest and not digest_matches(manifest):
+    if check_digest and manifest.digest is None:
+        raise ManifestError(
+            f"{where}/{MANIFEST_KEY}: carries no digest; ucformat writes one with every manifest, "
+            "so it was edited or written by another tool. Re-run the convert."
+        )
+    if check_digest and not digest_matches(data):
         raise ManifestError(
             f"{where}/{MANIFEST_KEY}: digest mismatch; the manifest was edited after it was "
             "written. Restore it or re-run the convert."
@@ -138,9 +156,9 @@ def parse_manifest(payload: bytes, where: str, *, check_digest: bool = True) -> 
     return manifest
 
 
-def digest_matches(manifest: CheckpointManifest) -> bool:
-    """Whether ``manifest.digest`` is absent or equals the digest of its content."""
-    return manifest.digest is None or manifest.digest == manifest_digest(manifest)
+def digest_matches(document: Mapping[str, Any]) -> bool:
+    """Whether a parsed manifest's ``digest`` is present and equals :func:`document_digest`."""
+    return document.get("digest") is not None and document["digest"] == document_digest(document)
 
 
 def _check_version(version: str, where: str) -> None:

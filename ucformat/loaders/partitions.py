@@ -67,10 +67,12 @@ def read_flat_state(
     state: str,
     tally: ReadTally,
     dtype: torch.dtype | None = None,
+    base: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """A new 1-D tensor of ``target.numel`` elements holding ``state`` where the rank owns data.
 
-    Elements outside the fragments (padding, parameters the store lacks) are zero.
+    Elements outside the fragments (padding, parameters the store lacks) are taken from
+    ``base`` (e.g. the live values, so a non-strict load keeps them), else zero.
     ``dtype`` defaults to the stored dtype (``float32`` for ``fp32``).
     """
     manifest = ckpt.manifest
@@ -82,6 +84,8 @@ def read_flat_state(
     if state == FP32_STATE and stored_dtype != "float32":
         stored_dtype = "float32"
     out = np.zeros(target.numel, dtype=numpy_storage_dtype(stored_dtype))
+    if base is not None:
+        out[:] = base.detach().to("cpu", torch.float32 if stored_dtype == "float32" else None).numpy()
     for fragment in fragments:
         ref = refs[fragment.name]
         window = out[fragment.partition_start : fragment.partition_start + fragment.length]

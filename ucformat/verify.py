@@ -1,0 +1,342 @@
+"""``ucformat.verify``: prove that a store holds what its manifest promises, bit for bit.
+
+Checks, in this order (docs/format.md, "Integrity"):
+
+1. the manifest: JSON, schema and version gate, then its digest (a mismatch is reported, and
+   the arrays are still checked against what it says); every array reference is consistent
+   (path, shape, ``nbytes``, flat-contiguous chunk and shard shapes);
+2. the root group's ``zarr.json`` and every array's ``zarr.json``, field by field, against the
+   document the manifest implies;
+3. every shard object exists, and every chunk decodes with its crc32c verified. A shard is read
+   whole (bounded memory: one shard at a time); when it fails, its chunks are read one by one so
+   that each bad chunk is named by grid coordinates and flat element range;
+4. with ``against``: the source checkpoint is re-planned in the store's layout, the manifest
+   fields that come from the source must be equal, and each shard must equal, bit for bit, the
+   source fragments that fill it (each source byte read once).
+
+Problems are collected, not raised: the caller gets a :class:`VerifyReport`. Only a target that
+cannot be verified at all (no such path, not a ucformat store, an incomplete store, a newer
+format, an unreadable source) raises :class:`~ucformat.errors.UCFormatError`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Iterable
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from zarr.abc.store import Store
+
+from ucformat._verify_checks import (
+    ManifestArray,
+    bit_differences,
+    document_differences,
+    manifest_arrays,
+    manifest_differences,
+    ref_problems,
+)
+from ucformat._verify_source import SourceShards, replan_source
+from ucformat.errors import (
+    ChunkMissingError,
+    CorruptDataError,
+    ManifestError,
+    UnsupportedVersionError,
+)
+from ucformat.layout.grid import chunk_box, chunk_flat_range, chunks_in_box, shard_grid
+from ucformat.manifest_io import (
+    ROOT_KEY,
+    digest_matches,
+    parse_manifest,
+    read_manifest_bytes,
+)
+from ucformat.models import ArrayRef, CheckpointManifest
+from ucformat.spec import FORMAT_NAME, MANIFEST_KEY
+from ucformat.summary import format_bytes
+from ucformat.zarr_io import (
+    BadChunk,
+    CheckedStore,
+    StoreLike,
+    bad_chunks,
+    chunk_key,
+    expected_metadata,
+    list_keys,
+    open_array,
+    open_store,
+    read_box,
+    read_key,
+)
+
+__all__ = ["Problem", "VerifyReport", "verify"]
+
+#: At most this many field differences are reported per document.
+MAX_DIFFERENCES = 10
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One thing wrong with a store.
+
+    Attributes:
+        kind: ``manifest``, ``metadata`` (a ``zarr.json``), ``missing`` (an object is absent),
+            ``checksum`` (a chunk fails its crc32c or cannot be decoded), ``mismatch`` (values
+            differ from the source) or ``source`` (a manifest field differs from the source).
+        path: the array path, or the store key (``ucformat.json``, ``zarr.json``).
+        message: what is wrong, one line.
+        chunk: grid coordinates of the chunk (or shard, for a missing object) concerned.
+        elements: the flat element range ``[start, stop)`` concerned.
+    """
+
+    kind: str
+    path: str
+    message: str
+    chunk: tuple[int, ...] | None = None
+    elements: tuple[int, int] | None = None
+
+    def __str__(self) -> str:
+        return f"{self.path}: {self.message}"
+
+
+@dataclass
+class VerifyReport:
+    """What :func:`verify` checked and what it found."""
+
+    store: str
+    against: str | None = None
+    #: Arrays whose data was checked (their metadata matched the manifest).
+    arrays: int = 0
+    shards: int = 0
+    chunks: int = 0
+    #: Uncompressed bytes decoded and checked.
+    nbytes: int = 0
+    #: Stored bytes read (metadata, indexes and chunks).
+    bytes_read: int = 0
+    #: Bytes of source values compared with the store (``against`` only).
+    source_bytes: int = 0
+    problems: list[Problem] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        """True when nothing is wrong."""
+        return not self.problems
+
+    def add(self, kind: str, path: str, message: str, **where: Any) -> None:
+        """Record one problem."""
+        self.problems.append(Problem(kind, path, message, **where))
+
+    def summary(self) -> str:
+        """The one-line summary ``ucformat verify`` prints last."""
+        counts = (
+            f"{self.arrays} arrays, {self.shards} shards, {self.chunks} chunks, "
+            f"{format_bytes(self.nbytes)} checked ({format_bytes(self.bytes_read)} read)"
+        )
+        if self.against is not None:
+            counts += f", {format_bytes(self.source_bytes)} compared with {self.against}"
+        if self.ok:
+            return f"ok: {self.store}: {counts}"
+        return f"FAILED: {self.store}: {len(self.problems)} problem(s); {counts}"
+
+    def as_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict: every field, plus ``ok`` and ``summary``."""
+        return {**dataclasses.asdict(self), "ok": self.ok, "summary": self.summary()}
+
+
+def verify(
+    store: StoreLike, against: str | Path | None = None, *, opaque_globals: Iterable[str] = ()
+) -> VerifyReport:
+    """Check every byte of a ucformat store, optionally against its source checkpoint.
+
+    Args:
+        store: a local path, an fsspec URL, or a zarr ``Store``.
+        against: the DeepSpeed checkpoint the store was converted from (tag folder, or run folder
+            holding the store's tag); each array is compared with it bit for bit.
+        opaque_globals: pickle globals the convert needed ``--opaque-global`` for.
+
+    Returns:
+        The report; ``report.ok`` is True only if every check holds.
+
+    Raises:
+        SourceNotFoundError: ``store`` does not exist.
+        NotAStoreError: ``store`` is not a ucformat store.
+        IncompleteStoreError: ``store`` has no committed manifest.
+        UnsupportedVersionError: ``store`` is from a newer format major version.
+        UCFormatError: ``against`` cannot be read.
+
+    Example:
+        >>> report = ucformat.verify("ckpt.ucf", against="runs/gpt/step800")  # doctest: +SKIP
+        >>> report.ok, report.summary()  # doctest: +SKIP
+        (True, 'ok: ckpt.ucf: 20 arrays, 23 shards, 50 chunks, 2.8 KiB checked (3.9 KiB ...')
+    """
+    where = str(store)
+    checked = CheckedStore(open_store(store, read_only=True))
+    report = VerifyReport(store=where, against=None if against is None else str(against))
+    payload = read_manifest_bytes(checked, where)
+    try:
+        manifest = parse_manifest(payload, where, check_digest=False)
+    except UnsupportedVersionError:
+        raise
+    except ManifestError as exc:
+        report.add("manifest", MANIFEST_KEY, exc.message.removeprefix(f"{where}/{MANIFEST_KEY}: "))
+        return report
+    arrays = _check_manifest(manifest, json.loads(payload), report)
+    _check_root(checked, manifest, report)
+    keys = set(list_keys(checked))
+    with ExitStack() as stack:
+        source = None
+        if against is not None:
+            source = stack.enter_context(
+                replan_source(Path(against), manifest, arrays, opaque_globals)
+            )
+            for message in manifest_differences(manifest, source.plan.manifest):
+                report.add("source", MANIFEST_KEY, message)
+        for array in arrays:
+            _check_array(checked, array.ref, keys, source, report)
+    report.bytes_read = checked.stats.bytes_read
+    return report
+
+
+def _check_manifest(
+    manifest: CheckpointManifest, document: dict[str, Any], report: VerifyReport
+) -> list[ManifestArray]:
+    """Check the digest and every array reference; return the arrays fit to be checked."""
+    if manifest.digest is None:
+        report.add("manifest", MANIFEST_KEY, "carries no digest, so edits cannot be detected")
+    elif not digest_matches(document):
+        report.add("manifest", MANIFEST_KEY, "digest mismatch: edited after it was written")
+    arrays, seen = [], set[str]()
+    for array in manifest_arrays(manifest):
+        problems = ref_problems(array, seen)
+        for message in problems:
+            report.add("manifest", MANIFEST_KEY, message)
+        if problems:
+            report.add("manifest", array.ref.path, "its chunks were not checked")
+        else:
+            arrays.append(array)
+    return arrays
+
+
+def _check_root(store: Store, manifest: CheckpointManifest, report: VerifyReport) -> None:
+    document = _load_json(store, ROOT_KEY, report, "root group metadata")
+    if document is None:
+        return
+    expected = {
+        "zarr_format": 3,
+        "node_type": "group",
+        "attributes": {
+            FORMAT_NAME: {"format_version": manifest.format_version, "manifest": MANIFEST_KEY}
+        },
+    }
+    found = {key: document.get(key) for key in expected} if isinstance(document, dict) else None
+    for difference in list(document_differences(found, expected))[:MAX_DIFFERENCES]:
+        report.add("metadata", ROOT_KEY, difference.describe(ROOT_KEY, "the manifest"))
+
+
+def _load_json(store: Store, key: str, report: VerifyReport, what: str) -> Any:
+    payload = read_key(store, key)
+    if payload is None:
+        report.add("missing", key, f"the {what} is missing")
+        return None
+    try:
+        return json.loads(payload)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        report.add("metadata", key, f"the {what} is not valid JSON ({exc})")
+        return None
+
+
+def _check_array(
+    store: Store,
+    ref: ArrayRef,
+    keys: set[str],
+    source: SourceShards | None,
+    report: VerifyReport,
+) -> None:
+    key = f"{ref.path}/zarr.json"
+    problems = len(report.problems)
+    document = _load_json(store, key, report, "array metadata (zarr.json)")
+    if document is not None:
+        found = list(document_differences(document, expected_metadata(ref)))
+        for difference in found[:MAX_DIFFERENCES]:
+            report.add("metadata", ref.path, difference.describe("zarr.json", "the manifest"))
+    if len(report.problems) > problems:
+        report.add("metadata", ref.path, "its chunks were not checked (metadata is not trusted)")
+        return
+    array = open_array(store, ref.path, expect=ref)
+    planned = source.refs.get(ref.path) if source is not None else None
+    compare = planned is not None and _same_layout(planned, ref)
+    report.arrays += 1
+    for coords in shard_grid(ref.shape, ref.shard_shape):
+        region = chunk_box(ref.shape, ref.shard_shape, coords)
+        start, stop = chunk_flat_range(ref.shape, ref.shard_shape, coords)
+        chunks = list(chunks_in_box(ref.shape, ref.chunk_shape, region))
+        shard_key = chunk_key(array, coords)
+        if shard_key not in keys:
+            report.add(
+                "missing", ref.path,
+                f"shard object '{shard_key}' is missing: chunks {_coords(chunks[0])} to "
+                f"{_coords(chunks[-1])}, elements [{start}, {stop}) are lost",
+                chunk=coords, elements=(start, stop),
+            )  # fmt: skip
+            continue
+        try:
+            values = read_box(array, region).reshape(-1)
+        except (CorruptDataError, ChunkMissingError) as exc:
+            bad = _bad_chunks(array, region)
+            for chunk in bad:
+                report.add(
+                    "checksum", ref.path, f"{chunk.describe()} {chunk.reason}",
+                    chunk=chunk.coords, elements=(chunk.start, chunk.stop),
+                )  # fmt: skip
+            if not bad:  # the shard fails as a whole, yet no chunk alone does
+                report.add(
+                    "checksum", ref.path,
+                    f"shard object '{shard_key}' (elements [{start}, {stop})) fails: {exc}",
+                    chunk=coords, elements=(start, stop),
+                )  # fmt: skip
+            continue
+        report.shards += 1
+        report.chunks += len(chunks)
+        report.nbytes += values.nbytes
+        if compare and source is not None:
+            _compare_shard(ref, values, source.expected(ref.path, start), start, report)
+
+
+def _bad_chunks(array: Any, region: tuple[slice, ...]) -> list[BadChunk]:
+    try:
+        return list(bad_chunks(array, region))
+    except ChunkMissingError:  # deleted while we were reading it
+        return []
+
+
+def _compare_shard(
+    ref: ArrayRef, values: Any, expected: Any, start: int, report: VerifyReport
+) -> None:
+    if expected is None:
+        report.add("mismatch", ref.path, f"the source has no values for elements from {start}")
+        return
+    report.source_bytes += expected.nbytes
+    differing = bit_differences(values, expected)
+    if differing.size:
+        first, last = start + int(differing[0]), start + int(differing[-1]) + 1
+        report.add(
+            "mismatch", ref.path,
+            f"{differing.size} of {expected.size} values in elements [{first}, {last}) differ "
+            f"from the source (first: element {first} is {values[differing[0]].item()!r} in the "
+            f"store, {expected[differing[0]].item()!r} in the source)",
+            elements=(first, last),
+        )  # fmt: skip
+
+
+def _same_layout(a: ArrayRef, b: ArrayRef) -> bool:
+    return (a.dtype, a.shape, a.chunk_shape, a.shard_shape) == (
+        b.dtype,
+        b.shape,
+        b.chunk_shape,
+        b.shard_shape,
+    )
+
+
+def _coords(coords: tuple[int, ...]) -> str:
+    return "(" + ", ".join(map(str, coords)) + ")"
