@@ -21,6 +21,19 @@ from ucformat.reader import UniversalCheckpoint
 from ucformat.reader import open_checkpoint as open
 from ucformat.verify import VerifyReport, verify
 
+#: Submodules imported on first access (``ucformat.deepspeed.load``), so that ``import ucformat``
+#: stays light and never imports DeepSpeed.
+_LAZY_SUBMODULES = frozenset({"deepspeed", "torch"})
+
+
+def __getattr__(name: str) -> object:
+    if name in _LAZY_SUBMODULES:
+        import importlib
+
+        return importlib.import_module(f"ucformat.{name}")
+    raise AttributeError(f"module 'ucformat' has no attribute {name!r}")
+
+
 __all__ = [
     "CheckpointManifest",
     "UCFormatError",
