@@ -154,7 +154,7 @@ def compare_truths(got: dict[str, Any], want: dict[str, Any], *, with_optimizer:
         want_groups = [plain(g) for g in want["param_groups"]]
         if got_groups != want_groups:
             failures.append(f"param groups {got_groups} != {want_groups}")
-    if want["loss_scaler"] is not None and got["loss_scaler"] is not None:
-        if plain(got["loss_scaler"]) != plain(want["loss_scaler"]):
-            failures.append(f"loss scaler {got['loss_scaler']} != {want['loss_scaler']}")
+    scalers = (got["loss_scaler"], want["loss_scaler"])
+    if None not in scalers and plain(scalers[0]) != plain(scalers[1]):
+        failures.append(f"loss scaler {got['loss_scaler']} != {want['loss_scaler']}")
     return failures

@@ -195,7 +195,8 @@ def _compare_models(
     if report.unexpected:
         problems.append(f"not in the model: {', '.join(report.unexpected)}")
     shapes = [
-        f"{n} (model {list(_param_shape(params[n]))}, store {manifest.params[manifest.resolve(n)].shape})"
+        f"{n} (model {list(_param_shape(params[n]))}, "
+        f"store {manifest.params[manifest.resolve(n)].shape})"
         for n in sorted(wanted)
         if _has(manifest, n)
         and list(_param_shape(params[n])) != manifest.params[manifest.resolve(n)].shape
@@ -304,9 +305,8 @@ def _restore_optimizer(
                     live[name] = decode(value)
         report.restored.append("param-group hyper-parameters")
     view.relink_optimizer_state()
-    report.restored.append(
-        f"optimizer states ({', '.join(manifest.optimizer.state_keys) if manifest.optimizer else ''}) and step"
-    )
+    keys = ", ".join(manifest.optimizer.state_keys) if manifest.optimizer else ""
+    report.restored.append(f"optimizer states ({keys}) and step")
 
 
 def _restore_progress(

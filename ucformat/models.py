@@ -62,7 +62,7 @@ class ScalarState(_Model):
     """A 0-d optimizer state (e.g. Adam's ``step``), kept in the manifest with its original type."""
 
     kind: Literal["int", "float", "bool", "tensor"] = Field(
-        description="'tensor' is a 0-d torch tensor (torch Adam's float32 step); else a Python value."
+        description="'tensor': a 0-d torch tensor (torch Adam's float32 step); else a Python value."
     )
     value: int | float | bool
     dtype: DTypeName | None = Field(default=None, description="Tensor dtype when kind is 'tensor'.")

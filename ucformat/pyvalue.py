@@ -93,7 +93,7 @@ def _hashable(key: Any) -> Any:
 
 
 def describe_type(value: Any) -> str:
-    """A short type description for values that cannot be encoded (e.g. ``Tensor[float32, (3, 4)]``)."""
+    """A short type description of a value that cannot be encoded (``Tensor[float32, (3,)]``)."""
     if isinstance(value, torch.Tensor) or (hasattr(value, "dtype") and hasattr(value, "shape")):
         dtype = value.dtype
         name = dtype_name(dtype) if isinstance(dtype, torch.dtype) else str(dtype)

@@ -22,7 +22,14 @@ from ucformat.layout.ranges import flat_range_to_boxes
 from ucformat.manifest_io import read_manifest
 from ucformat.models import ArrayRef, CheckpointManifest, ScalarState
 from ucformat.spec import FP32_STATE
-from ucformat.zarr_io import CheckedStore, IOStats, StoreLike, open_array, open_store, read_box
+from ucformat.zarr_io import (
+    CheckedStore,
+    IOStats,
+    StoreLike,
+    array_from_manifest,
+    open_store,
+    read_box,
+)
 
 __all__ = ["BUFFER_STATE", "UniversalCheckpoint", "open_checkpoint", "scalar_value"]
 
@@ -107,10 +114,16 @@ class UniversalCheckpoint:
         return ref
 
     def _array(self, ref: ArrayRef) -> zarr.Array[Any]:
+        """The zarr array of ``ref``, built from the manifest: no ``zarr.json`` is fetched.
+
+        The manifest is digest-checked and fully describes each array (docs/format.md §3.1),
+        so readers need one request for all metadata; ``ucformat verify`` checks that every
+        ``zarr.json`` agrees with it.
+        """
         with self._lock:
             array = self._arrays.get(ref.path)
             if array is None:
-                array = self._arrays[ref.path] = open_array(self.store, ref.path)
+                array = self._arrays[ref.path] = array_from_manifest(self.store, ref)
             return array
 
     # --- reads --------------------------------------------------------------------------------

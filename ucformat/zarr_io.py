@@ -28,8 +28,10 @@ import zarr
 from zarr.abc.store import ByteRequest, Store, SuffixByteRequest
 from zarr.codecs import BytesCodec, Crc32cCodec, ZstdCodec
 from zarr.core.buffer import Buffer, BufferPrototype, default_buffer_prototype
+from zarr.core.array import AsyncArray
+from zarr.core.metadata.v3 import ArrayV3Metadata
 from zarr.core.sync import sync
-from zarr.storage import FsspecStore, LocalStore, MemoryStore, WrapperStore
+from zarr.storage import FsspecStore, LocalStore, MemoryStore, StorePath, WrapperStore
 
 from ucformat.dtypes import numpy_storage_dtype
 from ucformat.errors import (
@@ -48,6 +50,7 @@ __all__ = [
     "StoreLike",
     "bad_chunks",
     "chunk_key",
+    "array_from_manifest",
     "create_array",
     "delete_key",
     "expected_metadata",
@@ -277,6 +280,12 @@ def expected_metadata(ref: ArrayRef) -> dict[str, Any]:
     )
     document: dict[str, Any] = json.loads(text)
     return document
+
+
+def array_from_manifest(store: Store, ref: ArrayRef) -> zarr.Array[Any]:
+    """The array described by ``ref``, opened without reading its ``zarr.json``."""
+    metadata = ArrayV3Metadata.from_dict(expected_metadata(ref))
+    return zarr.Array(AsyncArray(metadata=metadata, store_path=StorePath(store, ref.path)))
 
 
 def chunk_key(array: zarr.Array[Any], coords: tuple[int, ...]) -> str:

@@ -42,14 +42,14 @@ def test_beyond_deepspeed(name: str, ds_loads: dict[str, dict[str, Any]]) -> Non
 
 
 def test_grid_is_what_the_issue_asks_for() -> None:
-    moves = {(int(l.source.rsplit("ws", 1)[1]), l.world_size) for l in REFERENCE}
+    moves = {(int(load.source.rsplit("ws", 1)[1]), load.world_size) for load in REFERENCE}
     assert {(2, 2), (4, 2), (2, 4), (3, 2), (1, 4)} <= moves
-    assert {l.source.split("-")[1] for l in REFERENCE} == {"fp32", "fp16", "bf16"}
-    assert {l.stage for l in REFERENCE} == {1, 2, 3}
-    assert {l.load_optimizer_states for l in REFERENCE} == {True, False}
-    changes = {(int(l.source[1]), l.stage) for l in STAGE_CHANGES}
+    assert {load.source.split("-")[1] for load in REFERENCE} == {"fp32", "fp16", "bf16"}
+    assert {load.stage for load in REFERENCE} == {1, 2, 3}
+    assert {load.load_optimizer_states for load in REFERENCE} == {True, False}
+    changes = {(int(load.source[1]), load.stage) for load in STAGE_CHANGES}
     assert {(1, 3), (3, 1), (2, 3)} <= changes
-    names = {l.name for l in ALL_LOADS}
+    names = {load.name for load in ALL_LOADS}
     # DeepSpeed 0.19.8's own loader fails or skips these (reference §12, §14.7-9):
     assert "z1-fp32-dsadam-multi-ws2--to-z1-ws4" in names  # a rank of group 1 is pure padding
     assert "z3-fp16-dsadam-multi-ws2--to-z3-ws4" in names  # per-group hyper-parameters at ZeRO-3

@@ -85,7 +85,9 @@ def read_flat_state(
         stored_dtype = "float32"
     out = np.zeros(target.numel, dtype=numpy_storage_dtype(stored_dtype))
     if base is not None:
-        out[:] = base.detach().to("cpu", torch.float32 if stored_dtype == "float32" else None).numpy()
+        out[:] = (
+            base.detach().to("cpu", torch.float32 if stored_dtype == "float32" else None).numpy()
+        )
     for fragment in fragments:
         ref = refs[fragment.name]
         window = out[fragment.partition_start : fragment.partition_start + fragment.length]

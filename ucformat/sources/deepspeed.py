@@ -13,7 +13,12 @@ from pathlib import Path
 from typing import Any
 
 from ucformat.dtypes import dtype_name
-from ucformat.errors import LayoutMismatchError, NotACheckpointError, UCFormatError
+from ucformat.errors import (
+    LayoutMismatchError,
+    NotACheckpointError,
+    UCFormatError,
+    UnsupportedCheckpointError,
+)
 from ucformat.layout.partition import PerParamLayout
 from ucformat.models import (
     ClientState,
@@ -59,7 +64,11 @@ def read_deepspeed_checkpoint(
     The returned object holds open file handles; close it (or use it as a context manager).
     """
     folder, tag_name = locate_tag_folder(Path(src), tag)
-    files = find_zero_files(folder, tag_name)
+    try:
+        files = find_zero_files(folder, tag_name)
+    except UnsupportedCheckpointError:
+        _check_model_file(folder, policy)  # a random .pt is "not DeepSpeed", not "unsupported"
+        raise
     handles: list[TorchFile] = []
     try:
         models = [_open(p, policy, handles) for p in files.model_files]
@@ -69,6 +78,15 @@ def read_deepspeed_checkpoint(
         for handle in handles:
             handle.close()
         raise
+
+
+def _check_model_file(folder: Path, policy: PicklePolicy | None) -> None:
+    """Raise NotACheckpointError if the folder's first model-states file is not DeepSpeed's."""
+    for name in ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt"):
+        if (folder / name).is_file():
+            with open_torch_file(folder / name, policy) as handle:
+                _model_meta(handle)
+            return
 
 
 def _open(path: Path, policy: PicklePolicy | None, handles: list[TorchFile]) -> TorchFile:

@@ -2,8 +2,8 @@
 
 A DeepSpeed checkpoint *tag folder* holds (see docs/format.md and the ZeRO reference):
 
-* ZeRO-1/2: ``mp_rank_00_model_states.pt`` and one ``[bf16_]zero_pp_rank_{dp}_mp_rank_00_optim_states.pt``
-  per data-parallel rank;
+* ZeRO-1/2: ``mp_rank_00_model_states.pt`` and one
+  ``[bf16_]zero_pp_rank_{dp}_mp_rank_00_optim_states.pt`` per data-parallel rank;
 * ZeRO-3: one ``zero_pp_rank_{dp}_mp_rank_00_model_states.pt`` and one optim file per rank.
 
 The *run folder* above it holds a ``latest`` file naming the tag. This module only looks at
@@ -138,8 +138,8 @@ def find_zero_files(folder: Path, tag: str) -> ZeroFiles:
             raise _tensor_parallel(folder, name)
     if model_z12 and model_z3:
         raise LayoutMismatchError(
-            f"{folder}: holds both ZeRO-1/2 ({model_z12[0]}) and ZeRO-3 ({model_z3[min(model_z3)]}) "
-            "model files; files from different runs are mixed."
+            f"{folder}: holds both ZeRO-1/2 ({model_z12[0]}) and ZeRO-3 "
+            f"({model_z3[min(model_z3)]}) model files; files from different runs are mixed."
         )
     if not model_z12 and not model_z3:
         raise NotACheckpointError(
@@ -148,8 +148,8 @@ def find_zero_files(folder: Path, tag: str) -> ZeroFiles:
         )
     if not optim:
         raise UnsupportedCheckpointError(
-            f"{folder}: has model states but no *_optim_states.pt shards; ucformat converts ZeRO "
-            "stage 1-3 checkpoints (stage 0 keeps the optimizer unpartitioned and is not supported)."
+            f"{folder}: has model states but no *_optim_states.pt shards; ucformat converts "
+            "ZeRO stage 1-3 checkpoints (stage 0 keeps the optimizer whole; not supported)."
         )
     if len(prefixes) > 1:
         raise LayoutMismatchError(

@@ -111,8 +111,9 @@ def _record_scalars(
         for key, value in scalars.items():
             if key in known and known[key] != value:
                 raise LayoutMismatchError(
-                    f"{handle.path}: optimizer scalar '{key}' of '{name}' is {value.value} here but "
-                    f"{known[key].value} in another shard; shards from different steps are mixed."
+                    f"{handle.path}: optimizer scalar '{key}' of '{name}' is {value.value} here "
+                    f"but {known[key].value} in another shard; shards from different steps are "
+                    "mixed."
                 )
             known[key] = value
 
@@ -120,7 +121,7 @@ def _record_scalars(
 def read_zero12_states(
     model_meta: Mapping[str, Any], optim: Sequence[TorchFile], world_size: int
 ) -> FlatStates:
-    """Describe the arrays of a ZeRO-1/2 checkpoint (``DeepSpeedZeroOptimizer``/``BF16_Optimizer``)."""
+    """Describe the arrays of a ZeRO-1/2 checkpoint (ZeRO optimizer or ``BF16_Optimizer``)."""
     first = _key(optim[0].obj, "optimizer_state_dict", optim[0])
     is_bf16_optimizer = "zero_stage" not in first and "loss_scaler" not in first
     states = FlatStates(wrapper="BF16_Optimizer" if is_bf16_optimizer else "DeepSpeedZeroOptimizer")

@@ -109,7 +109,7 @@ class StorageRef:
 
 
 class StandIn:
-    """Attribute holder standing in for a DeepSpeed class; ``type(x).ucformat_qualname`` names it."""
+    """Attribute holder standing in for a pickled class named by ``ucformat_qualname``."""
 
     ucformat_qualname: ClassVar[str] = ""
 
@@ -148,7 +148,7 @@ class OpaqueObject(StandIn):
 
 
 def _stand_in(qualname: str, base: type[StandIn] = StandIn) -> type[StandIn]:
-    module, _, name = qualname.rpartition(".")
+    name = qualname.rpartition(".")[2]
     return type(name, (base,), {"ucformat_qualname": qualname, "__module__": "ucformat.standin"})
 
 
