@@ -1,0 +1,118 @@
+"""What a partial read costs: the chunks and shard indexes a flat range makes a reader fetch.
+
+Pure arithmetic on the chunking of an array, used to predict read amplification (the scale
+table in docs/benchmarks.md) and checked against real byte counts in the tests.
+
+Costs follow the store format (docs/format.md §2): every inner chunk is stored at its full
+chunk shape (edge chunks padded) plus a 4-byte crc32c; each shard ends with an index of 16 bytes
+per chunk plus a 4-byte crc32c, which a reader fetches once per shard it touches (readers cache
+indexes). Compression is ignored (ucformat's default is none).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from math import prod
+
+from ucformat.layout.chunking import chunk_aligned_range
+from ucformat.layout.partition import ceil_div
+
+__all__ = ["ReadCost", "chunk_ids", "range_read_cost"]
+
+CRC_BYTES = 4
+INDEX_ENTRY_BYTES = 16
+
+
+@dataclass(frozen=True)
+class ReadCost:
+    """Bytes a reader fetches for some flat ranges of one array."""
+
+    data_bytes: int
+    index_bytes: int
+    chunks: int
+    shards: int
+
+    @property
+    def total(self) -> int:
+        """All bytes fetched."""
+        return self.data_bytes + self.index_bytes
+
+
+def _grid(shape: Sequence[int], block: Sequence[int]) -> list[int]:
+    return [ceil_div(d, b) for d, b in zip(shape, block, strict=True)]
+
+
+def _block_id(shape: Sequence[int], block: Sequence[int], flat_index: int) -> int:
+    """Row-major id, in the block grid, of the block holding flat element ``flat_index``."""
+    coords: list[int] = []
+    rest = flat_index
+    for dim in reversed(shape):
+        coords.append(rest % dim)
+        rest //= dim
+    coords.reverse()
+    block_id = 0
+    for coord, size, extent in zip(coords, block, _grid(shape, block), strict=True):
+        block_id = block_id * extent + coord // size
+    return block_id
+
+
+def chunk_ids(shape: Sequence[int], chunk_shape: Sequence[int], start: int, stop: int) -> range:
+    """Ids (row-major in the chunk grid) of the chunks holding flat elements ``[start, stop)``.
+
+    Chunks are flat-contiguous, so these are consecutive ids.
+    """
+    if start >= stop:
+        return range(0)
+    if not shape:
+        return range(1)
+    low, high = chunk_aligned_range(shape, chunk_shape, start, stop)
+    return range(_block_id(shape, chunk_shape, low), _block_id(shape, chunk_shape, high - 1) + 1)
+
+
+def range_read_cost(
+    shape: Sequence[int],
+    chunk_shape: Sequence[int],
+    shard_shape: Sequence[int],
+    itemsize: int,
+    ranges: Iterable[tuple[int, int]],
+) -> ReadCost:
+    """Bytes fetched to read ``ranges`` of one array (each chunk and index fetched once)."""
+    chunks: set[int] = set()
+    shards: set[int] = set()
+    for start, stop in ranges:
+        ids = chunk_ids(shape, chunk_shape, start, stop)
+        chunks.update(ids)
+        if shape and ids:
+            first = _chunk_to_shard(shape, chunk_shape, shard_shape, ids[0])
+            last = _chunk_to_shard(shape, chunk_shape, shard_shape, ids[-1])
+            shards.update(range(first, last + 1))
+        elif ids:
+            shards.add(0)
+    chunk_bytes = prod(chunk_shape) * itemsize + CRC_BYTES
+    per_shard = prod(s // c for s, c in zip(shard_shape, chunk_shape, strict=True)) if shape else 0
+    index_bytes = (INDEX_ENTRY_BYTES * per_shard + CRC_BYTES) if shape else 0
+    return ReadCost(
+        data_bytes=len(chunks) * chunk_bytes,
+        index_bytes=len(shards) * index_bytes,
+        chunks=len(chunks),
+        shards=len(shards),
+    )
+
+
+def _chunk_to_shard(
+    shape: Sequence[int], chunk_shape: Sequence[int], shard_shape: Sequence[int], chunk_id: int
+) -> int:
+    grid = _grid(shape, chunk_shape)
+    coords: list[int] = []
+    rest = chunk_id
+    for extent in reversed(grid):
+        coords.append(rest % extent)
+        rest //= extent
+    coords.reverse()
+    per_shard = [s // c for s, c in zip(shard_shape, chunk_shape, strict=True)]
+    shard_grid = _grid(grid, per_shard)
+    shard_id = 0
+    for coord, per, extent in zip(coords, per_shard, shard_grid, strict=True):
+        shard_id = shard_id * extent + coord // per
+    return shard_id
