@@ -8,6 +8,7 @@ from typing import ParamSpec, TypeVar
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from ucformat.errors import UCFormatError
 
@@ -22,7 +23,7 @@ stderr = Console(stderr=True, highlight=False, soft_wrap=True)
 
 def fail(message: str) -> typer.Exit:
     """Print ``error: message`` on stderr and return the exit to raise."""
-    stderr.print(f"[bold red]error:[/] {message}", markup=True)
+    stderr.print(f"[bold red]error:[/] {escape(message)}", markup=True)
     return typer.Exit(code=USER_ERROR)
 
 

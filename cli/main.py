@@ -6,6 +6,7 @@ from typing import Annotated
 
 import typer
 from ucformat_cli.convert import convert_command
+from ucformat_cli.export import export_app
 from ucformat_cli.inspect import inspect_command
 from ucformat_cli.verify import verify_command
 
@@ -39,6 +40,7 @@ def main(
 app.command("convert")(convert_command)
 app.command("inspect")(inspect_command)
 app.command("verify")(verify_command)
+app.add_typer(export_app, name="export")
 
 if __name__ == "__main__":
     app()

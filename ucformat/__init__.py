@@ -23,7 +23,7 @@ from ucformat.verify import VerifyReport, verify
 
 #: Submodules imported on first access (``ucformat.deepspeed.load``), so that ``import ucformat``
 #: stays light and never imports DeepSpeed.
-_LAZY_SUBMODULES = frozenset({"deepspeed", "torch"})
+_LAZY_SUBMODULES = frozenset({"deepspeed", "export", "torch"})
 
 
 def __getattr__(name: str) -> object:

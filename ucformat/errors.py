@@ -27,6 +27,7 @@ __all__ = [
     "UCFormatError",
     "UnsafePickleError",
     "UnsupportedCheckpointError",
+    "UnsupportedExportError",
     "UnsupportedVersionError",
 ]
 
@@ -56,6 +57,10 @@ class NotACheckpointError(UCFormatError):
 
 class UnsupportedCheckpointError(UCFormatError):
     """A DeepSpeed checkpoint of a kind ucformat cannot convert (e.g. tensor parallelism)."""
+
+
+class UnsupportedExportError(UCFormatError):
+    """The store cannot fill the requested export (missing state, unsupported layout or option)."""
 
 
 class TruncatedFileError(UCFormatError):

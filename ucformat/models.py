@@ -11,7 +11,7 @@ are kept exact with the tagged encoding of :mod:`ucformat.pyvalue`; such fields 
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, JsonValue, field_validator, model_validator
 
@@ -36,6 +36,11 @@ __all__ = [
 DTypeName = Literal[
     "float64", "float32", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8", "bool"
 ]
+
+
+#: JSON has no NaN or infinity: a plain float field refuses them instead of losing them.
+#: (Python values that may hold them go through :mod:`ucformat.pyvalue` as ``{"$float": ...}``.)
+FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
 
 
 class _Model(BaseModel):
@@ -64,7 +69,7 @@ class ScalarState(_Model):
     kind: Literal["int", "float", "bool", "tensor"] = Field(
         description="'tensor': a 0-d torch tensor (torch Adam's float32 step); else a Python value."
     )
-    value: int | float | bool
+    value: int | FiniteFloat | bool
     dtype: DTypeName | None = Field(default=None, description="Tensor dtype when kind is 'tensor'.")
 
 
@@ -129,7 +134,7 @@ class LossScaler(_Model):
 
     class_name: str
     dynamic: bool
-    cur_scale: float
+    cur_scale: FiniteFloat
     attributes: dict[str, JsonValue]
 
 
@@ -143,7 +148,7 @@ class TrainingProgress(_Model):
     loss_scaler: LossScaler | None = None
     dynamic_loss_scale: bool | None = None
     overflow: bool | None = None
-    clip_grad: float | None = None
+    clip_grad: FiniteFloat | None = None
 
 
 class ClientState(_Model):

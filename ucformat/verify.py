@@ -6,7 +6,8 @@ Checks, in this order (docs/format.md, "Integrity"):
    the arrays are still checked against what it says); every array reference is consistent
    (path, shape, ``nbytes``, flat-contiguous chunk and shard shapes);
 2. the root group's ``zarr.json`` and every array's ``zarr.json``, field by field, against the
-   document the manifest implies;
+   document the manifest implies (readers build arrays from the manifest, so the data is checked
+   even when a ``zarr.json`` is damaged);
 3. every shard object exists, and every chunk decodes with its crc32c verified. A shard is read
    whole (bounded memory: one shard at a time); when it fails, its chunks are read one by one so
    that each bad chunk is named by grid coordinates and flat element range;
@@ -29,6 +30,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import zarr
 from zarr.abc.store import Store
 
 from ucformat._verify_checks import (
@@ -60,11 +63,11 @@ from ucformat.zarr_io import (
     BadChunk,
     CheckedStore,
     StoreLike,
+    array_from_manifest,
     bad_chunks,
     chunk_key,
     expected_metadata,
     list_keys,
-    open_array,
     open_store,
     read_box,
     read_key,
@@ -219,7 +222,7 @@ def _check_manifest(
 
 
 def _check_root(store: Store, manifest: CheckpointManifest, report: VerifyReport) -> None:
-    document = _load_json(store, ROOT_KEY, report, "root group metadata")
+    document = _load_json(store, ROOT_KEY, ROOT_KEY, report)
     if document is None:
         return
     expected = {
@@ -234,15 +237,17 @@ def _check_root(store: Store, manifest: CheckpointManifest, report: VerifyReport
         report.add("metadata", ROOT_KEY, difference.describe(ROOT_KEY, "the manifest"))
 
 
-def _load_json(store: Store, key: str, report: VerifyReport, what: str) -> Any:
+def _load_json(store: Store, key: str, path: str, report: VerifyReport) -> Any:
+    """The parsed JSON object at ``key``; a problem about ``path`` if absent or unparsable."""
     payload = read_key(store, key)
+    name = key.rpartition("/")[2]
     if payload is None:
-        report.add("missing", key, f"the {what} is missing")
+        report.add("missing", path, f"{name} is missing")
         return None
     try:
         return json.loads(payload)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        report.add("metadata", key, f"the {what} is not valid JSON ({exc})")
+        report.add("metadata", path, f"{name} is not valid JSON ({exc})")
         return None
 
 
@@ -253,57 +258,66 @@ def _check_array(
     source: SourceShards | None,
     report: VerifyReport,
 ) -> None:
-    key = f"{ref.path}/zarr.json"
-    problems = len(report.problems)
-    document = _load_json(store, key, report, "array metadata (zarr.json)")
+    """Check one array's ``zarr.json``, then every shard (data is read as readers do)."""
+    document = _load_json(store, f"{ref.path}/{ROOT_KEY}", ref.path, report)
     if document is not None:
         found = list(document_differences(document, expected_metadata(ref)))
         for difference in found[:MAX_DIFFERENCES]:
             report.add("metadata", ref.path, difference.describe("zarr.json", "the manifest"))
-    if len(report.problems) > problems:
-        report.add("metadata", ref.path, "its chunks were not checked (metadata is not trusted)")
-        return
-    array = open_array(store, ref.path, expect=ref)
+    # readers build the array from the digest-checked manifest, not from its zarr.json
+    array = array_from_manifest(store, ref)
     planned = source.refs.get(ref.path) if source is not None else None
-    compare = planned is not None and _same_layout(planned, ref)
+    compare = source if planned is not None and _same_layout(planned, ref) else None
     report.arrays += 1
     for coords in shard_grid(ref.shape, ref.shard_shape):
-        region = chunk_box(ref.shape, ref.shard_shape, coords)
-        start, stop = chunk_flat_range(ref.shape, ref.shard_shape, coords)
-        chunks = list(chunks_in_box(ref.shape, ref.chunk_shape, region))
-        shard_key = chunk_key(array, coords)
-        if shard_key not in keys:
+        _check_shard(array, ref, coords, keys, compare, report)
+
+
+def _check_shard(
+    array: zarr.Array[Any],
+    ref: ArrayRef,
+    coords: tuple[int, ...],
+    keys: set[str],
+    source: SourceShards | None,
+    report: VerifyReport,
+) -> None:
+    """The shard exists, each chunk decodes (crc32c), and its values equal the source's."""
+    region = chunk_box(ref.shape, ref.shard_shape, coords)
+    start, stop = chunk_flat_range(ref.shape, ref.shard_shape, coords)
+    chunks = list(chunks_in_box(ref.shape, ref.chunk_shape, region))
+    shard_key = chunk_key(array, coords)
+    if shard_key not in keys:
+        report.add(
+            "missing", ref.path,
+            f"shard object '{shard_key}' is missing: {_chunk_span(chunks)}, elements "
+            f"[{start}, {stop}) are lost",
+            chunk=coords, elements=(start, stop),
+        )  # fmt: skip
+        return
+    try:
+        values = read_box(array, region).reshape(-1)
+    except (CorruptDataError, ChunkMissingError) as exc:
+        bad = _bad_chunks(array, region)
+        for chunk in bad:
             report.add(
-                "missing", ref.path,
-                f"shard object '{shard_key}' is missing: chunks {_coords(chunks[0])} to "
-                f"{_coords(chunks[-1])}, elements [{start}, {stop}) are lost",
+                "checksum", ref.path, f"{chunk.describe()} {chunk.reason}",
+                chunk=chunk.coords, elements=(chunk.start, chunk.stop),
+            )  # fmt: skip
+        if not bad:  # the shard fails as a whole, yet no chunk alone does
+            report.add(
+                "checksum", ref.path,
+                f"shard object '{shard_key}' (elements [{start}, {stop})) fails: {exc}",
                 chunk=coords, elements=(start, stop),
             )  # fmt: skip
-            continue
-        try:
-            values = read_box(array, region).reshape(-1)
-        except (CorruptDataError, ChunkMissingError) as exc:
-            bad = _bad_chunks(array, region)
-            for chunk in bad:
-                report.add(
-                    "checksum", ref.path, f"{chunk.describe()} {chunk.reason}",
-                    chunk=chunk.coords, elements=(chunk.start, chunk.stop),
-                )  # fmt: skip
-            if not bad:  # the shard fails as a whole, yet no chunk alone does
-                report.add(
-                    "checksum", ref.path,
-                    f"shard object '{shard_key}' (elements [{start}, {stop})) fails: {exc}",
-                    chunk=coords, elements=(start, stop),
-                )  # fmt: skip
-            continue
-        report.shards += 1
-        report.chunks += len(chunks)
-        report.nbytes += values.nbytes
-        if compare and source is not None:
-            _compare_shard(ref, values, source.expected(ref.path, start), start, report)
+        return
+    report.shards += 1
+    report.chunks += len(chunks)
+    report.nbytes += values.nbytes
+    if source is not None:
+        _compare_shard(ref, values, source.expected(ref.path, start), start, report)
 
 
-def _bad_chunks(array: Any, region: tuple[slice, ...]) -> list[BadChunk]:
+def _bad_chunks(array: zarr.Array[Any], region: tuple[slice, ...]) -> list[BadChunk]:
     try:
         return list(bad_chunks(array, region))
     except ChunkMissingError:  # deleted while we were reading it
@@ -311,7 +325,7 @@ def _bad_chunks(array: Any, region: tuple[slice, ...]) -> list[BadChunk]:
 
 
 def _compare_shard(
-    ref: ArrayRef, values: Any, expected: Any, start: int, report: VerifyReport
+    ref: ArrayRef, values: np.ndarray, expected: np.ndarray | None, start: int, report: VerifyReport
 ) -> None:
     if expected is None:
         report.add("mismatch", ref.path, f"the source has no values for elements from {start}")
@@ -338,5 +352,10 @@ def _same_layout(a: ArrayRef, b: ArrayRef) -> bool:
     )
 
 
-def _coords(coords: tuple[int, ...]) -> str:
-    return "(" + ", ".join(map(str, coords)) + ")"
+def _chunk_span(chunks: list[tuple[int, ...]]) -> str:
+    def text(coords: tuple[int, ...]) -> str:
+        return "(" + ", ".join(map(str, coords)) + ")"
+
+    if len(chunks) == 1:
+        return f"chunk {text(chunks[0])}"
+    return f"chunks {text(chunks[0])} to {text(chunks[-1])}"

@@ -3,6 +3,7 @@
 After every kill, the destination either refuses to open (incomplete, or not a store yet) or
 opens as complete, and then the convert had really finished: the store verifies against its
 source, bit for bit. Re-running ``ucformat convert --overwrite`` always succeeds and verifies.
+Half the trials kill a ``--overwrite`` run over a complete store (§6.1: uncommit first).
 
 Most trials fork the CLI from a *zygote* process that has already imported ucformat, so that the
 kill times (seeded, spread over a measured full conversion) fall in the conversion itself rather
@@ -14,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -112,7 +114,7 @@ def _state_after_kill(dst: Path, code: int) -> str:
         return "incomplete" if (dst / "zarr.json").exists() else "not a store yet"
     report = ucformat.verify(dst, against=SOURCE / "ckpt")
     assert report.ok, [str(p) for p in report.problems]
-    return "complete" if code == 0 else "complete (killed while exiting)"
+    return "complete" if code == 0 else "complete (killed after commit, or before uncommit)"
 
 
 def _rerun_and_verify(dst: Path) -> None:
@@ -131,8 +133,10 @@ def test_sigkill_at_random_moments_never_leaves_a_complete_looking_store(tmp_pat
         rng = random.Random(20240611)
         states: Counter[str] = Counter()
         for trial in range(FORK_TRIALS):
-            dst = tmp_path / f"fork{trial}.ucf"
-            code, _ = zygote.run(_convert_args(dst), kill_after=rng.uniform(0, 1.25 * full))
+            # odd trials overwrite the complete store the previous trial's re-run left
+            dst = tmp_path / f"fork{trial - trial % 2}.ucf"
+            args = _convert_args(dst) + (["--overwrite"] if trial % 2 else [])
+            code, _ = zygote.run(args, kill_after=rng.uniform(0, 1.25 * full))
             states[_state_after_kill(dst, code)] += 1
             _rerun_and_verify(dst)
     finally:
@@ -169,3 +173,35 @@ def test_sigkill_of_the_console_script(tmp_path: Path) -> None:
         code, _ = run(dst, kill_after=rng.uniform(0.5, 1.05) * full)
         _state_after_kill(dst, code)
         _rerun_and_verify(dst)
+
+
+def test_overwrite_accepts_a_store_killed_while_writing_its_root(tmp_path: Path) -> None:
+    """A kill during the very first write leaves only zarr's temporary file at the root."""
+    dst = tmp_path / "out.ucf"
+    dst.mkdir()
+    (dst / f"zarr.{'0' * 32}.partial").write_bytes(b'{"zarr_form')
+    with pytest.raises(NotAStoreError):
+        ucformat.open(dst)
+    _rerun_and_verify(dst)
+
+
+def test_a_crash_while_overwriting_leaves_an_incomplete_store(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Uncommit first, remove the root marker last: a re-run can always overwrite."""
+    dst = tmp_path / "out.ucf"
+    _rerun_and_verify(dst)
+    calls = []
+
+    def crash(path: object, *args: object, **kwargs: object) -> None:
+        calls.append(path)
+        raise OSError("simulated crash")
+
+    monkeypatch.setattr(shutil, "rmtree", crash)
+    with pytest.raises(OSError, match="simulated crash"):
+        ucformat.convert(SOURCE / "ckpt", dst, overwrite=True)
+    monkeypatch.undo()
+    assert calls and (dst / "zarr.json").exists()
+    with pytest.raises(IncompleteStoreError):
+        ucformat.open(dst)
+    _rerun_and_verify(dst)

@@ -2,63 +2,23 @@
 
 from __future__ import annotations
 
-import builtins
-import collections
 import os
-import subprocess
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests.hostile import ATTACK_NAMES, EXPECTED_GLOBAL, Payload, attacks
 from ucformat.errors import TruncatedFileError, UnsafePickleError
 from ucformat.sources.safe_unpickle import PicklePolicy
 from ucformat.sources.torchfile import TensorRef, open_torch_file
-
-
-class Payload:
-    """Pickles as a call of ``func(*args)``: the classic code-execution trick."""
-
-    def __init__(self, func: object, *args: object) -> None:
-        self.func, self.args = func, args
-
-    def __reduce__(self) -> tuple[object, tuple[object, ...]]:
-        return self.func, self.args
-
-
-def _attacks(sentinel: Path) -> dict[str, object]:
-    touch = f"touch {sentinel}"
-    return {
-        "os.system": Payload(os.system, touch),
-        "subprocess.call": Payload(subprocess.call, ["touch", str(sentinel)]),
-        "subprocess.Popen": Payload(subprocess.Popen, ["touch", str(sentinel)]),
-        "builtins.eval": Payload(builtins.eval, f"__import__('os').system({touch!r})"),
-        "builtins.exec": Payload(builtins.exec, f"import os; os.system({touch!r})"),
-        "builtins.getattr": Payload(builtins.getattr, Payload(builtins.__import__, "os"), "system"),
-        "nested in a state dict": collections.OrderedDict(
-            weight=torch.ones(3), extra={"deep": [Payload(os.system, touch)]}
-        ),
-    }
-
-
-ATTACK_NAMES = list(_attacks(Path("x")))
-#: The global each attack's pickle names (pickle may find a function under another module).
-EXPECTED_GLOBAL = {
-    "os.system": ".system",
-    "subprocess.call": ".call",
-    "subprocess.Popen": ".Popen",
-    "builtins.eval": "builtins.eval",
-    "builtins.exec": "builtins.exec",
-    "builtins.getattr": "builtins.getattr",
-    "nested in a state dict": ".system",
-}
 
 
 @pytest.mark.parametrize("attack", ATTACK_NAMES)
 def test_hostile_torch_file_is_refused_and_nothing_runs(tmp_path: Path, attack: str) -> None:
     sentinel = tmp_path / "PWNED"
     path = tmp_path / "mp_rank_00_model_states.pt"
-    torch.save({"module": _attacks(sentinel)[attack]}, path)
+    torch.save({"module": attacks(sentinel)[attack]}, path)
     with pytest.raises(UnsafePickleError) as caught:
         open_torch_file(path)
     message = str(caught.value)
@@ -119,5 +79,5 @@ def test_truncated_file_is_reported(tmp_path: Path) -> None:
 def test_not_a_torch_file(tmp_path: Path) -> None:
     path = tmp_path / "x.pt"
     path.write_text("hello")
-    with pytest.raises(TruncatedFileError, match="x.pt: not a complete zip archive"):
+    with pytest.raises(TruncatedFileError, match=r"x\.pt: not a complete zip archive"):
         open_torch_file(path)

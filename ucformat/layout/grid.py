@@ -119,17 +119,20 @@ def is_flat_block(shape: Sequence[int], block: Sequence[int], *, overhang: bool 
     Args:
         shape: the array shape (every dimension positive).
         block: the chunk or shard shape.
-        overhang: allow ``k`` to exceed ``d_j`` (shards may overhang the array, §2.2).
+        overhang: the block may reach past the array's edge (shards, as zarr allows); it is
+            judged by its part inside the array.
 
     >>> is_flat_block((10, 4), (3, 4)), is_flat_block((10, 4), (3, 2)), is_flat_block((), ())
     (True, False, True)
+    >>> is_flat_block((3, 5), (2, 6)), is_flat_block((3, 5), (2, 6), overhang=True)
+    (False, True)
     """
     dims, sizes = tuple(shape), tuple(block)
     if len(dims) != len(sizes) or any(size < 1 for size in sizes):
         return False
-    if not dims:
-        return True
+    if overhang:
+        sizes = tuple(min(size, dim) for size, dim in zip(sizes, dims, strict=True))
     for j in range(len(dims)):
         if all(size == 1 for size in sizes[:j]) and sizes[j + 1 :] == dims[j + 1 :]:
-            return overhang or sizes[j] <= dims[j]
-    return False
+            return sizes[j] <= dims[j]
+    return not dims

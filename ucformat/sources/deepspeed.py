@@ -12,6 +12,8 @@ from math import prod
 from pathlib import Path
 from typing import Any
 
+from pydantic import ValidationError
+
 from ucformat.dtypes import dtype_name
 from ucformat.errors import (
     LayoutMismatchError,
@@ -74,10 +76,30 @@ def read_deepspeed_checkpoint(
         models = [_open(p, policy, handles) for p in files.model_files]
         optim = [_open(p, policy, handles) for p in files.optim_files]
         return _describe(files, models, optim, handles)
-    except BaseException:
-        for handle in handles:
-            handle.close()
+    except UCFormatError:
+        _close(handles)
         raise
+    except ValidationError as exc:  # a value the manifest cannot hold exactly (e.g. inf)
+        _close(handles)
+        first = exc.errors()[0]
+        raise UnsupportedCheckpointError(
+            f"{folder}: {exc.title}.{'.'.join(map(str, first['loc']))} = {first.get('input')!r} "
+            f"cannot be stored in the manifest ({first['msg']})."
+        ) from None
+    except (KeyError, IndexError, TypeError, ValueError, AttributeError) as exc:
+        _close(handles)  # structure that no DeepSpeed version writes: damaged or foreign files
+        raise NotACheckpointError(
+            f"{folder}: unexpected content in the shard files ({type(exc).__name__}: "
+            f"{str(exc)[:200]}); they are damaged or not written by a supported DeepSpeed."
+        ) from None
+    except BaseException:
+        _close(handles)
+        raise
+
+
+def _close(handles: list[TorchFile]) -> None:
+    for handle in handles:
+        handle.close()
 
 
 def _check_model_file(folder: Path, policy: PicklePolicy | None) -> None:

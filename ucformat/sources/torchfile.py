@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import struct
 import zipfile
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,8 @@ __all__ = ["TensorRef", "TorchFile", "open_torch_file"]
 
 _LOCAL_HEADER = struct.Struct("<4sHHHHHIIIHH")
 _LOCAL_HEADER_MAGIC = b"PK\x03\x04"
+#: Most buffers one ``preadv`` call takes (Linux ``IOV_MAX``).
+_IOV_MAX = 1024
 
 
 @dataclass(eq=False)
@@ -77,18 +80,33 @@ class TorchFile:
 
     def read_bytes(self, key: str, start: int, into: memoryview) -> None:
         """Fill ``into`` with the bytes of storage ``key`` from byte ``start`` on."""
+        self.read_bytes_scattered(key, start, [into])
+
+    def read_bytes_scattered(self, key: str, start: int, views: Sequence[memoryview]) -> None:
+        """Fill ``views`` in turn with consecutive bytes of storage ``key`` from ``start`` on.
+
+        One ``preadv`` call per up to :data:`_IOV_MAX` views: the bytes go from the page cache
+        (or the disk) straight into their destinations, e.g. the chunks of a shard buffer.
+        """
         offset, length = self.storage_span(key)
-        if start + len(into) > length:
+        total = sum(len(view) for view in views)
+        if start + total > length:
             raise TruncatedFileError(
-                f"{self.path}: read of bytes [{start}, {start + len(into)}) of storage '{key}' "
+                f"{self.path}: read of bytes [{start}, {start + total}) of storage '{key}' "
                 f"overruns its {length} bytes."
             )
-        position = 0
-        while position < len(into):
-            got = os.preadv(self._fd, [into[position:]], offset + start + position)
+        pending = [view for view in views if len(view)]
+        first, position = 0, offset + start
+        while first < len(pending):
+            got = os.preadv(self._fd, pending[first : first + _IOV_MAX], position)
             if got <= 0:
                 raise TruncatedFileError(f"{self.path}: unexpected end of file.")
             position += got
+            while first < len(pending) and got >= len(pending[first]):
+                got -= len(pending[first])
+                first += 1
+            if got:  # a short read stopped inside this view
+                pending[first] = pending[first][got:]
 
     def close(self) -> None:
         """Release the file descriptor."""
@@ -154,6 +172,25 @@ class TensorRef:
         self.file.read_bytes(
             self.storage.key, (self.offset + start) * item, memoryview(out).cast("B")
         )
+
+    def read_scattered(self, start: int, views: Sequence[memoryview]) -> None:
+        """Copy flat elements from ``start`` on into the byte ``views``, one after another.
+
+        Each view's length is a whole number of elements (storage dtype); together they take
+        ``sum(len(v)) / itemsize`` consecutive elements of this (contiguous) tensor.
+        """
+        item = self.storage.itemsize
+        count = sum(len(view) for view in views) // item
+        if not self.is_contiguous():
+            raise UnsupportedCheckpointError(
+                f"{self.file.path}: a flat state tensor is not contiguous (stride {self.stride})."
+            )
+        if not 0 <= start <= start + count <= self.numel:
+            raise TruncatedFileError(
+                f"{self.file.path}: elements [{start}, {start + count}) requested from a tensor "
+                f"of {self.numel} elements."
+            )
+        self.file.read_bytes_scattered(self.storage.key, (self.offset + start) * item, views)
 
     def load(self) -> torch.Tensor:
         """Read the whole tensor into memory (for small tensors: buffers, scalars, metadata)."""

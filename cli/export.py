@@ -1,0 +1,195 @@
+"""``ucformat export {safetensors,deepspeed-universal,deepspeed} STORE OUT``."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn
+from ucformat_cli._errors import user_errors
+
+from ucformat.errors import UnsupportedExportError
+from ucformat.export import (
+    ExportHooks,
+    ExportResult,
+    export_deepspeed,
+    export_deepspeed_universal,
+    export_safetensors,
+)
+
+export_app = typer.Typer(
+    name="export",
+    help="Write a store in another format: safetensors weights, DeepSpeed's universal "
+    "checkpoint, or a native DeepSpeed ZeRO checkpoint for a new world size.",
+    no_args_is_help=True,
+)
+
+Store = Annotated[str, typer.Argument(help="A ucformat store: path or fsspec URL.")]
+Out = Annotated[Path, typer.Argument(help="Destination folder.")]
+Overwrite = Annotated[
+    bool,
+    typer.Option("--overwrite", help="Replace the files this export writes in a non-empty OUT."),
+]
+DryRun = Annotated[bool, typer.Option("--dry-run", help="Plan and validate; write nothing.")]
+Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar.")]
+Dtype = Annotated[
+    str | None, typer.Option(help="Training/output dtype of the weights: fp32, bf16 or fp16.")
+]
+
+
+@contextmanager
+def _progress(label: str, quiet: bool, dry_run: bool) -> Iterator[ExportHooks]:
+    console = Console(stderr=True)
+    with Progress(
+        "[progress.description]{task.description}",
+        BarColumn(),
+        DownloadColumn(binary_units=True),
+        TimeRemainingColumn(),
+        console=console,
+        disable=quiet or dry_run or not console.is_terminal,
+        transient=True,
+    ) as bar:
+        task = bar.add_task(label, total=None)
+        yield ExportHooks(
+            on_plan=lambda total: bar.update(task, total=total),
+            on_bytes=lambda count: bar.advance(task, count),
+        )
+
+
+def _report(result: ExportResult) -> None:
+    typer.echo(result.summary)
+    for note in result.notes:
+        typer.echo(f"note: {note}", err=True)
+
+
+def _run(
+    label: str, quiet: bool, dry_run: bool, job: Callable[[ExportHooks], ExportResult]
+) -> None:
+    with _progress(label, quiet, dry_run) as hooks:
+        result = job(hooks)
+    _report(result)
+
+
+@user_errors
+def safetensors_command(
+    store: Store,
+    out: Out,
+    dtype: Dtype = None,
+    max_shard_size: Annotated[
+        str, typer.Option(help="Largest file: 5GB = 5*10^9 bytes, 2GiB = 2*2^30.")
+    ] = "5GB",
+    tied: Annotated[
+        str, typer.Option(help="Tied aliases: 'drop' (transformers' convention) or 'copy'.")
+    ] = "drop",
+    buffers: Annotated[
+        bool, typer.Option("--buffers/--no-buffers", help="Include persistent buffers.")
+    ] = True,
+    overwrite: Overwrite = False,
+    dry_run: DryRun = False,
+    quiet: Quiet = False,
+) -> None:
+    """Consolidated weights as Hugging Face safetensors (sharded, with an index), streamed."""
+    if tied not in ("drop", "copy"):
+        raise typer.BadParameter("must be 'drop' or 'copy'", param_hint="--tied")
+    _run(
+        "exporting safetensors",
+        quiet,
+        dry_run,
+        lambda hooks: export_safetensors(
+            store,
+            out,
+            dtype=dtype,
+            max_shard_size=max_shard_size,
+            tied="copy" if tied == "copy" else "drop",
+            buffers=buffers,
+            overwrite=overwrite,
+            dry_run=dry_run,
+            hooks=hooks,
+        ),
+    )
+
+
+@user_errors
+def universal_command(
+    store: Store,
+    out: Out,
+    tag: Annotated[
+        str | None, typer.Option(help="Folder name (default: <source tag>_universal).")
+    ] = None,
+    overwrite: Overwrite = False,
+    dry_run: DryRun = False,
+    quiet: Quiet = False,
+) -> None:
+    """DeepSpeed's universal checkpoint folder (load with "load_universal": true)."""
+    _run(
+        "exporting DeepSpeed universal",
+        quiet,
+        dry_run,
+        lambda hooks: export_deepspeed_universal(
+            store, out, tag=tag, overwrite=overwrite, dry_run=dry_run, hooks=hooks
+        ),
+    )
+
+
+def _config(path: Path | None) -> dict[str, Any] | None:
+    if path is None:
+        return None
+    try:
+        config = json.loads(path.read_text())
+    except ValueError as exc:
+        raise UnsupportedExportError(
+            f"{path}: is not a JSON DeepSpeed config ({exc}); pass the config file the target "
+            "job uses."
+        ) from None
+    if not isinstance(config, dict):
+        raise UnsupportedExportError(f"{path}: a DeepSpeed config must be a JSON object.")
+    return config
+
+
+@user_errors
+def deepspeed_command(
+    store: Store,
+    out: Out,
+    world_size: Annotated[
+        int, typer.Option(help="Data-parallel ranks of the job that will load it.", min=1)
+    ],
+    stage: Annotated[int, typer.Option(help="ZeRO stage of that job: 1, 2 or 3.")],
+    dtype: Dtype = None,
+    config: Annotated[
+        Path | None,
+        typer.Option(help="That job's DeepSpeed config JSON (default: the source's config)."),
+    ] = None,
+    tag: Annotated[str | None, typer.Option(help="Checkpoint tag (default: the source's).")] = None,
+    overwrite: Overwrite = False,
+    dry_run: DryRun = False,
+    quiet: Quiet = False,
+) -> None:
+    """A native DeepSpeed ZeRO checkpoint that a stock engine.load_checkpoint(OUT) loads."""
+    ds_config = _config(config)
+    _run(
+        "exporting DeepSpeed ZeRO",
+        quiet,
+        dry_run,
+        lambda hooks: export_deepspeed(
+            store,
+            out,
+            world_size=world_size,
+            stage=stage,
+            dtype=dtype,
+            ds_config=ds_config,
+            tag=tag,
+            overwrite=overwrite,
+            dry_run=dry_run,
+            hooks=hooks,
+        ),
+    )
+
+
+export_app.command("safetensors")(safetensors_command)
+export_app.command("deepspeed-universal")(universal_command)
+export_app.command("deepspeed")(deepspeed_command)

@@ -1,0 +1,94 @@
+"""Shard layout and encoding: Morton order, chunk placement, and bytes equal to zarr's."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from math import prod
+from typing import Any
+
+import numpy as np
+import pytest
+from zarr.core.indexing import morton_order_iter
+from zarr.storage import MemoryStore
+
+from ucformat.layout.chunking import ChunkPolicy, choose_chunking
+from ucformat.layout.shards import morton_order, shard_layout
+from ucformat.models import ArrayRef
+from ucformat.plan import _units
+from ucformat.sources.base import ArraySource, SourceFragment
+from ucformat.writer import encode_shard
+from ucformat.zarr_io import chunk_key, create_array, read_key, write_region
+
+
+@pytest.mark.parametrize("grid", [(1,), (7,), (2, 2), (3, 5), (5, 1), (1, 6), (4, 1, 3), (2, 3, 4)])
+def test_morton_order_is_zarrs(grid: tuple[int, ...]) -> None:
+    assert morton_order(grid) == list(morton_order_iter(grid))
+
+
+def test_layout_skips_chunks_outside_the_array() -> None:
+    # format.md §2.2's example: shard (2, 6) of chunks (1, 3) in an array (3, 5)
+    layout = shard_layout((3, 5), (1, 3), (2, 6), 4, (1, 0))
+    assert [(s.local, s.flat_start, s.length) for s in layout.slots] == [
+        ((0, 0), 10, 3),
+        ((0, 1), 13, 2),
+    ]
+    assert layout.chunks_per_shard == (2, 2)
+    assert layout.nbytes == 2 * (12 + 4) + 4 * 16 + 4
+
+
+def test_layout_refuses_chunks_that_are_not_runs() -> None:
+    with pytest.raises(ValueError, match="not one run"):
+        shard_layout((4, 4), (2, 2), (4, 4), 4, (0, 0))
+
+
+@dataclass(frozen=True)
+class _MemoryTensor:
+    """Stands in for a TensorRef: a flat numpy array read through byte views."""
+
+    values: np.ndarray
+
+    def is_contiguous(self) -> bool:
+        return True
+
+    def read_scattered(self, start: int, views: list[memoryview]) -> None:
+        raw = memoryview(self.values).cast("B")
+        at = start * self.values.itemsize
+        for view in views:
+            view[:] = raw[at : at + len(view)]
+            at += len(view)
+
+
+def _random_case(rng: random.Random) -> tuple[tuple[int, ...], str, ChunkPolicy]:
+    shape = tuple(rng.randint(1, 9) for _ in range(rng.randint(1, 3)))
+    dtype = rng.choice(["float32", "bfloat16", "int64", "uint8"])
+    chunk = rng.randint(1, 64)
+    return shape, dtype, ChunkPolicy(chunk, chunk * rng.randint(1, 12))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_encoded_shards_equal_zarr_writes(seed: int) -> None:
+    rng = random.Random(seed)
+    storage = {"float32": "<f4", "bfloat16": "<u2", "int64": "<i8", "uint8": "u1"}
+    for _ in range(40):
+        shape, dtype, policy = _random_case(rng)
+        values = np.arange(prod(shape)).astype(storage[dtype])
+        size = np.dtype(storage[dtype]).itemsize
+        chunking = choose_chunking(shape, size, policy)
+        ref = ArrayRef(
+            path="a", dtype=dtype, shape=list(shape),  # type: ignore[arg-type]
+            chunk_shape=list(chunking.chunk_shape), shard_shape=list(chunking.shard_shape),
+            nbytes=values.nbytes, compressor="none",
+        )  # fmt: skip
+        cut = sorted(rng.sample(range(1, values.size), min(3, values.size - 1)))
+        bounds = [0, *cut, values.size]
+        tensor: Any = _MemoryTensor(values)
+        fragments = [SourceFragment(tensor, a, a, b - a) for a, b in zip(bounds, bounds[1:])]
+        store = MemoryStore()
+        array = create_array(store, ref)
+        for unit in _units(0, ref, ArraySource(shape, dtype, fragments)):
+            coords, encoded = encode_shard(ref, unit)
+            region = values.reshape(shape)[unit.region]
+            write_region(array, unit.region, region)
+            expected = read_key(store, chunk_key(array, coords))
+            assert encoded.tobytes() == expected, (shape, dtype, policy, coords)

@@ -1,0 +1,33 @@
+"""Exports: write a ucformat store in another framework's own format.
+
+* :func:`export_safetensors`: consolidated weights, Hugging Face sharded safetensors layout;
+* :func:`export_deepspeed_universal`: DeepSpeed's universal checkpoint folder
+  (``load_universal``), loadable at any world size;
+* :func:`export_deepspeed`: a native ZeRO-1/2/3 checkpoint for a new world size and stage that
+  a stock ``engine.load_checkpoint`` loads.
+
+Each target module plans from the manifest alone (so ``dry_run`` reads no tensor), then streams
+the arrays it needs through :class:`~ucformat.reader.UniversalCheckpoint`. DeepSpeed is
+imported only when a DeepSpeed export actually writes files.
+"""
+
+from __future__ import annotations
+
+from ucformat.export._common import ExportHooks, ExportResult
+from ucformat.export.deepspeed_native import export_deepspeed, plan_deepspeed
+from ucformat.export.deepspeed_universal import (
+    export_deepspeed_universal,
+    plan_deepspeed_universal,
+)
+from ucformat.export.safetensors import export_safetensors, plan_safetensors
+
+__all__ = [
+    "ExportHooks",
+    "ExportResult",
+    "export_deepspeed",
+    "export_deepspeed_universal",
+    "export_safetensors",
+    "plan_deepspeed",
+    "plan_deepspeed_universal",
+    "plan_safetensors",
+]

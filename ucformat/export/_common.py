@@ -1,0 +1,190 @@
+"""Pieces shared by every export target: options, destinations, progress and results.
+
+Nothing here knows a target format. Each target module plans what to write from the manifest
+alone (pure, so ``--dry-run`` and unit tests need no tensor bytes), then executes the plan by
+streaming reads through :class:`~ucformat.reader.UniversalCheckpoint`.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ucformat.errors import StoreExistsError, UnsupportedExportError
+from ucformat.reader import UniversalCheckpoint, open_checkpoint
+from ucformat.zarr_io import StoreLike
+
+__all__ = [
+    "ExportHooks",
+    "ExportResult",
+    "Stopwatch",
+    "atomic_torch_save",
+    "atomic_write_bytes",
+    "open_store_arg",
+    "parse_dtype",
+    "parse_size",
+    "prepare_destination",
+]
+
+_DTYPES: dict[str, str] = {
+    "fp32": "float32",
+    "float32": "float32",
+    "float": "float32",
+    "fp16": "float16",
+    "float16": "float16",
+    "half": "float16",
+    "bf16": "bfloat16",
+    "bfloat16": "bfloat16",
+}
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B)?\s*$", re.IGNORECASE)
+_UNITS: dict[str, int] = {
+    "": 1, "B": 1,
+    "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+    "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40,
+}  # fmt: skip
+
+
+@dataclass
+class ExportHooks:
+    """Progress callbacks (all optional).
+
+    ``on_plan(total_bytes)`` is called once, before anything is written; ``on_bytes(n)`` after
+    each ``n`` tensor bytes written.
+    """
+
+    on_plan: Callable[[int], None] | None = None
+    on_bytes: Callable[[int], None] | None = None
+
+    def plan(self, total: int) -> None:
+        """Report the total payload."""
+        if self.on_plan is not None:
+            self.on_plan(total)
+
+    def advance(self, count: int) -> None:
+        """Report ``count`` more bytes written."""
+        if self.on_bytes is not None and count:
+            self.on_bytes(count)
+
+
+@dataclass
+class ExportResult:
+    """What an export wrote (or, for a dry run, would write).
+
+    Attributes:
+        target: ``"safetensors"``, ``"deepspeed-universal"`` or ``"deepspeed"``.
+        out: the destination folder.
+        files: paths relative to ``out``, in writing order.
+        nbytes: tensor payload bytes.
+        dry_run: nothing was written.
+        seconds: wall time.
+        summary: one line describing the result.
+        notes: things the target cannot carry, said once each (never silently dropped).
+    """
+
+    target: str
+    out: Path
+    files: list[str]
+    nbytes: int
+    dry_run: bool
+    seconds: float
+    summary: str
+    notes: list[str] = field(default_factory=list)
+
+
+class Stopwatch:
+    """Wall time since construction."""
+
+    def __init__(self) -> None:
+        self._started = time.perf_counter()
+
+    @property
+    def seconds(self) -> float:
+        """Seconds elapsed."""
+        return time.perf_counter() - self._started
+
+
+def open_store_arg(store: StoreLike | UniversalCheckpoint) -> UniversalCheckpoint:
+    """Open ``store`` unless it is already an opened checkpoint."""
+    return store if isinstance(store, UniversalCheckpoint) else open_checkpoint(store)
+
+
+def parse_dtype(value: str | torch.dtype | None) -> str | None:
+    """Manifest dtype name (``float32``/``float16``/``bfloat16``) of a user's dtype choice."""
+    if value is None:
+        return None
+    if isinstance(value, torch.dtype):
+        value = str(value).removeprefix("torch.")
+    name = _DTYPES.get(value.lower())
+    if name is None:
+        raise UnsupportedExportError(
+            f"dtype {value!r} is not an export dtype; expected one of fp32, fp16, bf16."
+        )
+    return name
+
+
+def parse_size(value: str | int) -> int:
+    """Bytes of a size such as ``5GB`` (10**9), ``500MiB`` (2**20) or ``1000`` (bytes)."""
+    if isinstance(value, int):
+        size = value
+    else:
+        match = _SIZE.match(value)
+        if match is None:
+            raise UnsupportedExportError(
+                f"size {value!r} is not understood; expected e.g. 5GB, 500MB, 2GiB or a byte count."
+            )
+        number, unit = match.groups()
+        size = int(float(number) * _UNITS[(unit or "").upper()])
+    if size < 1:
+        raise UnsupportedExportError(f"size {value!r} must be at least one byte.")
+    return size
+
+
+def prepare_destination(
+    out: Path, *, overwrite: bool, owned: Callable[[str], bool], dry_run: bool
+) -> None:
+    """Make ``out`` ready: create it, or (with ``overwrite``) remove what this export owns there.
+
+    A destination that exists and is not empty is refused without ``overwrite``. With it, only
+    the entries ``owned(name)`` accepts (the files and folders this export writes) are removed;
+    anything else in the folder is left alone.
+    """
+    if out.exists() and not out.is_dir():
+        raise StoreExistsError(f"{out}: exists and is a file; choose a folder as destination.")
+    children = sorted(out.iterdir()) if out.exists() else []
+    if children and not overwrite:
+        raise StoreExistsError(
+            f"{out}: already exists and is not empty; pass --overwrite to replace the files "
+            "this export writes (other files are kept), or choose an empty folder."
+        )
+    if dry_run:
+        return
+    for child in children:
+        if owned(child.name):
+            if child.is_dir() and not child.is_symlink():
+                shutil.rmtree(child)
+            else:
+                child.unlink()
+    out.mkdir(parents=True, exist_ok=True)
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` through a temporary file and a rename."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+def atomic_torch_save(obj: Any, path: Path) -> int:
+    """``torch.save`` through a temporary file and a rename; return the file size."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+    return path.stat().st_size

@@ -1,0 +1,201 @@
+"""``ucformat export deepspeed``: a native ZeRO checkpoint for a new world size and stage.
+
+The output is what DeepSpeed 0.19.8 itself writes from ``engine.save_checkpoint(out, tag)`` in
+a job of ``world_size`` data-parallel ranks at ZeRO ``stage``: the same file names, dict keys,
+flat layouts, pickled DeepSpeed objects and ``latest`` pointer. A stock
+``engine.load_checkpoint(out)`` in that job (no ucformat installed, no ``load_universal``)
+therefore restores model, frozen parameters, buffers, fp32 master weights, optimizer state,
+step, hyper-parameters, scheduler, loss scaler and counters, so that HF Trainer / Lightning
+users resume at a new size without code changes.
+
+Algorithm:
+
+1. :func:`~ucformat.export._native_target.native_target` derives the target job from the
+   options and the DeepSpeed config (the source's unless given), and
+   :func:`~ucformat.export._native_target.plan_native` computes every flat buffer's layout at
+   the new world size with :mod:`ucformat.layout.partition` (pure; ``--dry-run`` stops here).
+2. The model-states file(s) are written, then one optimizer-states file per rank, each built
+   from exactly the flat ranges that rank owns, then ``latest`` (last, as the commit).
+
+Differences from a DeepSpeed-written checkpoint, none of which DeepSpeed reads: ZeRO-3 padding
+is zeros instead of uninitialised memory; the ``module`` dict lists parameters, then buffers,
+then tied aliases (DeepSpeed interleaves them by submodule); ``zero_to_fp32.py`` is not copied;
+the rigid (non-elastic) ZeRO-1/2 layout is always written (DeepSpeed loads it in both modes).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ucformat.export._common import (
+    ExportHooks,
+    ExportResult,
+    Stopwatch,
+    atomic_torch_save,
+    atomic_write_bytes,
+    open_store_arg,
+    prepare_destination,
+)
+from ucformat.export._deepspeed_common import (
+    DeepSpeedClasses,
+    build_loss_scaler,
+    deepspeed_classes,
+    group_shapes,
+    model_states,
+    module_state_dict,
+)
+from ucformat.export._native_files import RankFiles, frozen_fragments
+from ucformat.export._native_target import NativePlan, native_target, plan_native
+from ucformat.models import CheckpointManifest
+from ucformat.reader import UniversalCheckpoint
+from ucformat.summary import format_bytes
+from ucformat.zarr_io import StoreLike
+
+__all__ = ["export_deepspeed", "plan_deepspeed"]
+
+
+def plan_deepspeed(
+    manifest: CheckpointManifest,
+    *,
+    world_size: int,
+    stage: int,
+    dtype: str | torch.dtype | None = None,
+    ds_config: dict[str, Any] | None = None,
+    tag: str | None = None,
+) -> NativePlan:
+    """Plan a native export from the manifest alone (options as in :func:`export_deepspeed`)."""
+    dtype_name = None if dtype is None else str(dtype).removeprefix("torch.")
+    target = native_target(
+        manifest, world_size=world_size, stage=stage, dtype=dtype_name, ds_config=ds_config, tag=tag
+    )
+    return plan_native(manifest, target)
+
+
+def _write_model_files(
+    ckpt: UniversalCheckpoint, plan: NativePlan, classes: DeepSpeedClasses, tag_dir: Path
+) -> list[str]:
+    """Write every model-states file (one dict in memory at a time); return the notes."""
+    target = plan.target
+    manifest = ckpt.manifest
+    shapes = group_shapes(manifest, [g.members for g in plan.flat_groups])
+    frozen = list(plan.frozen)
+    frozen_shapes = OrderedDict((n, torch.Size(manifest.params[n].shape)) for n in frozen)
+    common: dict[str, Any] = {
+        "param_shapes": shapes,
+        "world_size": target.world_size,
+        "ds_config": target.ds_config,
+        "ds_version": classes.version,
+    }
+    if target.stage in (1, 2):
+        module = module_state_dict(ckpt, target.dtype, placeholders=False)
+        stage2 = target.stage == 2
+        state, notes = model_states(
+            manifest,
+            module=module,
+            frozen_shapes=frozen_shapes if stage2 else None,
+            frozen_fragments=OrderedDict((n, module[n]) for n in frozen) if stage2 else None,
+            shared_params=dict(manifest.tied),
+            **common,
+        )
+        atomic_torch_save(state, tag_dir / target.model_file(0))
+        return notes
+    module = module_state_dict(ckpt, target.dtype, placeholders=True)
+    notes = []
+    for rank in range(target.world_size):
+        fragments = frozen_fragments(ckpt, frozen, target.dtype, target.world_size, rank)
+        state, notes = model_states(
+            manifest,
+            module=module,
+            frozen_shapes=frozen_shapes,
+            frozen_fragments=fragments,
+            shared_params=dict(manifest.tied) if rank == 0 else {},  # rank 0's file only
+            **common,
+        )
+        atomic_torch_save(state, tag_dir / target.model_file(rank))
+    return notes
+
+
+def _count(number: int, noun: str) -> str:
+    return f"{number} {noun}{'' if number == 1 else 's'}"
+
+
+def _owned(tag: str) -> Any:
+    return lambda name: name in (tag, "latest")
+
+
+def export_deepspeed(
+    store: StoreLike | UniversalCheckpoint,
+    out: str | Path,
+    *,
+    world_size: int,
+    stage: int,
+    dtype: str | torch.dtype | None = None,
+    ds_config: dict[str, Any] | None = None,
+    tag: str | None = None,
+    overwrite: bool = False,
+    dry_run: bool = False,
+    hooks: ExportHooks | None = None,
+) -> ExportResult:
+    """Write a native DeepSpeed ZeRO checkpoint for ``world_size`` ranks at ``stage``.
+
+    Args:
+        store: a store path/URL/``Store`` or an opened checkpoint.
+        out: the checkpoint folder (``engine.load_checkpoint(out)``): ``out/<tag>/`` and
+            ``out/latest`` are written; it must be empty unless ``overwrite``.
+        world_size: data-parallel ranks of the job that will load it.
+        stage: ZeRO stage 1, 2 or 3.
+        dtype: training dtype ``fp32``/``fp16``/``bf16`` (default: the config's, else the
+            source's).
+        ds_config: the target job's DeepSpeed config (default: the source's); decides the
+            optimizer wrapper, ZeRO-3 ``sub_group_size``, ``parameter_alignment`` and
+            ``gradient_clipping``, and is stored in the files.
+        tag: checkpoint tag (default: the source's).
+        overwrite: replace ``out/<tag>`` and ``out/latest`` (other tags are kept).
+        dry_run: plan only; write nothing (DeepSpeed is not needed).
+        hooks: progress callbacks.
+
+    Raises:
+        UnsupportedExportError: the store has no optimizer state, the stage or config cannot be
+            written, or DeepSpeed is not importable.
+
+    Example:
+        >>> from ucformat.export import export_deepspeed
+        >>> export_deepspeed("ckpt.ucf", "run8/", world_size=8, stage=3)  # doctest: +SKIP
+    """
+    clock = Stopwatch()
+    hooks = hooks or ExportHooks()
+    ckpt = open_store_arg(store)
+    plan = plan_deepspeed(
+        ckpt.manifest, world_size=world_size, stage=stage, dtype=dtype, ds_config=ds_config, tag=tag
+    )
+    target = plan.target
+    folder = Path(out)
+    notes: list[str] = []
+    if not dry_run:
+        classes = deepspeed_classes("deepspeed")
+        prepare_destination(folder, overwrite=overwrite, owned=_owned(target.tag), dry_run=False)
+        hooks.plan(plan.nbytes)
+        tag_dir = folder / target.tag
+        tag_dir.mkdir(parents=True, exist_ok=True)
+        scaler, dynamic = build_loss_scaler(classes, ckpt.manifest, target.dtype, target.ds_config)
+        notes = _write_model_files(ckpt, plan, classes, tag_dir)
+        files = RankFiles(ckpt, plan, classes, scaler, dynamic)
+        for rank in range(target.world_size):
+            atomic_torch_save(files.optimizer_file(rank), tag_dir / target.optim_file(rank))
+            hooks.advance(files.payload_per_rank)
+        atomic_write_bytes(folder / "latest", target.tag.encode())
+    else:
+        prepare_destination(folder, overwrite=overwrite, owned=_owned(target.tag), dry_run=True)
+    verb = "would write" if dry_run else "wrote"
+    summary = (
+        f"{verb} DeepSpeed ZeRO-{target.stage} x{target.world_size} {target.dtype} checkpoint "
+        f"({target.wrapper}, {_count(len(plan.flat_groups), 'flat group')}, tag {target.tag}, "
+        f"{format_bytes(plan.nbytes)} optimizer state) to {folder} in {clock.seconds:.2f}s"
+    )
+    return ExportResult(
+        "deepspeed", folder, list(plan.files), plan.nbytes, dry_run, clock.seconds, summary, notes
+    )

@@ -1,0 +1,331 @@
+"""``ucformat export safetensors``: consolidated weights in the Hugging Face sharded layout.
+
+The replacement for DeepSpeed's ``zero_to_fp32.py`` that does not need the model twice in RAM.
+
+Algorithm:
+
+1. **Plan** (pure, manifest only). One tensor per parameter under its owner fqn (fp32 master
+   weights, or frozen values, cast to the chosen dtype) and one per persistent buffer (its own
+   dtype). Tied aliases are left out, the way ``transformers`` saves tied weights (it re-ties
+   them on load); ``tied="copy"`` writes each alias as its own tensor instead. Tensors are
+   cut into shards with Hugging Face's rule: in order, a new shard starts when the next tensor
+   would push the current one past ``max_shard_size``; a tensor larger than that gets a shard of
+   its own. Each file's safetensors header (8-byte little-endian length, JSON, space padding
+   to 8 bytes) is computed here, so every byte offset is known before any data is read.
+2. **Execute**. Each file is written to a temporary name: header first, then each tensor
+   streamed in pieces of at most ``piece_bytes`` (read with ``read_range``, cast, written,
+   dropped), then renamed. ``model.safetensors.index.json`` is written last. Peak memory is
+   about two pieces, whatever the model size.
+
+One file is named ``model.safetensors``; several are ``model-00001-of-0000N.safetensors`` plus
+the index ``{"metadata": {"total_size": ...}, "weight_map": {key: file}}``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass
+from math import prod
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+import torch
+
+from ucformat.dtypes import itemsize, torch_dtype
+from ucformat.errors import UnsupportedExportError
+from ucformat.export._common import (
+    ExportHooks,
+    ExportResult,
+    Stopwatch,
+    atomic_write_bytes,
+    open_store_arg,
+    parse_dtype,
+    parse_size,
+    prepare_destination,
+)
+from ucformat.models import CheckpointManifest
+from ucformat.reader import BUFFER_STATE, UniversalCheckpoint
+from ucformat.spec import FP32_STATE
+from ucformat.summary import format_bytes
+from ucformat.zarr_io import StoreLike
+
+__all__ = [
+    "INDEX_NAME",
+    "SINGLE_NAME",
+    "SafetensorsFile",
+    "SafetensorsPlan",
+    "TensorItem",
+    "export_safetensors",
+    "plan_safetensors",
+]
+
+SINGLE_NAME = "model.safetensors"
+INDEX_NAME = "model.safetensors.index.json"
+DEFAULT_MAX_SHARD_SIZE = "5GB"
+DEFAULT_PIECE_BYTES = 64 * 2**20
+_SHARD_NAME = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
+_CODES: dict[str, str] = {
+    "float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16", "int64": "I64",
+    "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL",
+}  # fmt: skip
+_FLOATING = frozenset({"float64", "float32", "float16", "bfloat16"})
+
+
+@dataclass(frozen=True)
+class TensorItem:
+    """One tensor of the output: where it comes from and where its bytes go."""
+
+    key: str
+    #: Store name (owner fqn or buffer fqn) and state (``fp32`` or ``buffer``) to read.
+    name: str
+    state: str
+    shape: tuple[int, ...]
+    dtype: str
+    begin: int
+    end: int
+
+    @property
+    def numel(self) -> int:
+        """Number of elements."""
+        return prod(self.shape)
+
+
+@dataclass(frozen=True)
+class SafetensorsFile:
+    """One output file: its tensors in byte order and its complete header."""
+
+    filename: str
+    items: tuple[TensorItem, ...]
+    header: bytes
+
+    @property
+    def size(self) -> int:
+        """File size in bytes."""
+        return len(self.header) + (self.items[-1].end if self.items else 0)
+
+
+@dataclass(frozen=True)
+class SafetensorsPlan:
+    """Every file to write, and the index (None for a single file)."""
+
+    files: tuple[SafetensorsFile, ...]
+    index: dict[str, object] | None
+    dtype: str
+    dropped_aliases: dict[str, str]
+
+    @property
+    def nbytes(self) -> int:
+        """Tensor payload bytes."""
+        return sum(item.end - item.begin for f in self.files for item in f.items)
+
+    @property
+    def filenames(self) -> list[str]:
+        """Files in writing order (index last)."""
+        names = [f.filename for f in self.files]
+        return [*names, INDEX_NAME] if self.index is not None else names
+
+
+def _tensors(
+    manifest: CheckpointManifest, dtype: str, tied: str, buffers: bool
+) -> list[tuple[str, str, str, tuple[int, ...], str]]:
+    """(key, name, state, shape, dtype) of every output tensor, in module order."""
+    out: list[tuple[str, str, str, tuple[int, ...], str]] = []
+    aliases: dict[str, list[str]] = {}
+    for alias, owner in manifest.tied.items():
+        aliases.setdefault(owner, []).append(alias)
+    for name, entry in manifest.params.items():
+        kind = dtype if entry.dtype in _FLOATING else entry.dtype
+        keys = [name, *aliases.get(name, [])] if tied == "copy" else [name]
+        out.extend((key, name, FP32_STATE, tuple(entry.shape), kind) for key in keys)
+    if buffers:
+        for name, buffer in manifest.buffers.items():
+            out.append((name, name, BUFFER_STATE, tuple(buffer.shape), buffer.dtype))
+    return out
+
+
+def _shards(sizes: list[int], max_size: int) -> list[list[int]]:
+    """Hugging Face's greedy split: indices per shard, in order."""
+    shards: list[list[int]] = []
+    current: list[int] = []
+    current_size = 0
+    for position, size in enumerate(sizes):
+        if size > max_size:
+            shards.append([position])
+            continue
+        if current and current_size + size > max_size:
+            shards.append(current)
+            current, current_size = [], 0
+        current.append(position)
+        current_size += size
+    if current:
+        shards.append(current)
+    return shards
+
+
+def _header(items: list[TensorItem], metadata: dict[str, str]) -> bytes:
+    document: dict[str, object] = {"__metadata__": metadata}
+    for item in items:
+        document[item.key] = {
+            "dtype": _CODES[item.dtype],
+            "shape": list(item.shape),
+            "data_offsets": [item.begin, item.end],
+        }
+    body = json.dumps(document, separators=(",", ":")).encode()
+    body += b" " * (-len(body) % 8)
+    return len(body).to_bytes(8, "little") + body
+
+
+def plan_safetensors(
+    manifest: CheckpointManifest,
+    *,
+    dtype: str | torch.dtype | None = None,
+    max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE,
+    tied: Literal["drop", "copy"] = "drop",
+    buffers: bool = True,
+) -> SafetensorsPlan:
+    """Plan the files of a safetensors export from the manifest alone.
+
+    Args:
+        manifest: the store's manifest.
+        dtype: dtype of floating parameters (``fp32`` default, ``bf16``, ``fp16``); buffers
+            keep their own dtype.
+        max_shard_size: largest file payload, e.g. ``"5GB"`` (10**9) or ``"2GiB"`` (2**30).
+        tied: ``"drop"`` leaves tied aliases out (transformers re-ties them); ``"copy"`` writes
+            each alias as its own tensor.
+        buffers: include persistent buffers.
+    """
+    out_dtype = parse_dtype(dtype) or "float32"
+    if tied not in ("drop", "copy"):
+        raise UnsupportedExportError(f"tied={tied!r}; expected 'drop' or 'copy'.")
+    limit = parse_size(max_shard_size)
+    tensors = _tensors(manifest, out_dtype, tied, buffers)
+    sizes = [prod(shape) * itemsize(kind) for _, _, _, shape, kind in tensors]
+    groups = _shards(sizes, limit)
+    names = (
+        [SINGLE_NAME]
+        if len(groups) <= 1
+        else [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
+    )
+    files: list[SafetensorsFile] = []
+    weight_map: dict[str, str] = {}
+    for filename, members in zip(names, groups or [[]], strict=True):
+        items: list[TensorItem] = []
+        offset = 0
+        for position in members:
+            key, name, state, shape, kind = tensors[position]
+            size = sizes[position]
+            items.append(TensorItem(key, name, state, shape, kind, offset, offset + size))
+            offset += size
+            weight_map[key] = filename
+        files.append(SafetensorsFile(filename, tuple(items), _header(items, {"format": "pt"})))
+    index: dict[str, object] | None = None
+    if len(files) > 1:
+        total = sum(sizes)
+        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    dropped = {} if tied == "copy" else dict(manifest.tied)
+    return SafetensorsPlan(tuple(files), index, out_dtype, dropped)
+
+
+def _little_endian_bytes(tensor: torch.Tensor) -> bytes:
+    tensor = tensor.contiguous()
+    bits = tensor.view(torch.int16) if tensor.dtype == torch.bfloat16 else tensor
+    array = bits.numpy()
+    return np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("<")).tobytes()
+
+
+def _write_file(
+    ckpt: UniversalCheckpoint, path: Path, plan: SafetensorsFile, piece: int, hooks: ExportHooks
+) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "wb") as handle:
+        handle.write(plan.header)
+        for item in plan.items:
+            step = max(1, piece // max(itemsize(item.dtype), 4))
+            target = torch_dtype(item.dtype)
+            written = 0
+            for start in range(0, item.numel, step):
+                stop = min(start + step, item.numel)
+                values = ckpt.read_range(item.name, item.state, start, stop).to(target)
+                data = _little_endian_bytes(values)
+                handle.write(data)
+                written += len(data)
+                hooks.advance(len(data))
+            if written != item.end - item.begin:
+                raise UnsupportedExportError(
+                    f"'{item.name}': wrote {written} bytes but planned {item.end - item.begin}; "
+                    "the store's arrays disagree with its manifest (run 'ucformat verify')."
+                )
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
+
+
+def _owned(name: str) -> bool:
+    return name in (SINGLE_NAME, INDEX_NAME) or bool(_SHARD_NAME.match(name))
+
+
+def export_safetensors(
+    store: StoreLike | UniversalCheckpoint,
+    out: str | Path,
+    *,
+    dtype: str | torch.dtype | None = None,
+    max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE,
+    tied: Literal["drop", "copy"] = "drop",
+    buffers: bool = True,
+    overwrite: bool = False,
+    dry_run: bool = False,
+    piece_bytes: int = DEFAULT_PIECE_BYTES,
+    hooks: ExportHooks | None = None,
+) -> ExportResult:
+    """Write the store's consolidated weights as Hugging Face safetensors files.
+
+    Args:
+        store: a store path/URL/``Store`` or an opened checkpoint.
+        out: destination folder (created; must be empty unless ``overwrite``).
+        dtype: dtype of floating parameters: ``fp32`` (default, the exact master weights),
+            ``bf16`` or ``fp16``. Buffers keep their own dtype.
+        max_shard_size: largest file payload (``"5GB"`` = 5·10**9 bytes, ``"2GiB"`` = 2·2**30).
+        tied: ``"drop"`` (transformers' convention) or ``"copy"`` for tied aliases.
+        buffers: include persistent buffers (BatchNorm statistics, ...).
+        overwrite: replace earlier safetensors files in ``out`` (other files are kept).
+        dry_run: plan only; write nothing.
+        piece_bytes: read granularity; bounds the memory used (default 64 MiB).
+        hooks: progress callbacks.
+
+    Returns:
+        An :class:`~ucformat.export.ExportResult`.
+
+    Example:
+        >>> ucformat.export.export_safetensors("ckpt.ucf", "hf/", dtype="bf16")  # doctest: +SKIP
+    """
+    clock = Stopwatch()
+    hooks = hooks or ExportHooks()
+    ckpt = open_store_arg(store)
+    plan = plan_safetensors(
+        ckpt.manifest, dtype=dtype, max_shard_size=max_shard_size, tied=tied, buffers=buffers
+    )
+    folder = Path(out)
+    prepare_destination(folder, overwrite=overwrite, owned=_owned, dry_run=dry_run)
+    hooks.plan(plan.nbytes)
+    if not dry_run:
+        for file_plan in plan.files:
+            _write_file(ckpt, folder / file_plan.filename, file_plan, piece_bytes, hooks)
+        if plan.index is not None:
+            document = json.dumps(plan.index, indent=2, sort_keys=True) + "\n"
+            atomic_write_bytes(folder / INDEX_NAME, document.encode())
+    count = sum(len(f.items) for f in plan.files)
+    verb = "would write" if dry_run else "wrote"
+    summary = (
+        f"{verb} {count} tensors ({format_bytes(plan.nbytes)}, {plan.dtype} params) in "
+        f"{len(plan.files)} safetensors file(s) to {folder} in {clock.seconds:.2f}s"
+    )
+    notes = []
+    if plan.dropped_aliases:
+        pairs = ", ".join(f"{a} -> {o}" for a, o in plan.dropped_aliases.items())
+        notes.append(f"tied aliases not stored (transformers re-ties them on load): {pairs}")
+    return ExportResult(
+        "safetensors", folder, plan.filenames, plan.nbytes, dry_run, clock.seconds, summary, notes
+    )

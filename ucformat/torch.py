@@ -1,0 +1,319 @@
+"""``ucformat.torch``: a store as plain, single-process PyTorch state.
+
+Resume a model and a ``torch.optim`` optimizer without DeepSpeed::
+
+    model, groups = build_model(), make_param_groups(model)
+    optimizer = torch.optim.AdamW(groups, lr=1e-3)
+    report = ucformat.torch.load(model, optimizer, "ckpt.ucf")
+
+or take the state dicts and do it yourself::
+
+    state = ucformat.torch.state_dicts("ckpt.ucf")
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+
+The dicts are in torch's own ``state_dict()`` format, as an unsharded run would hold them:
+
+* ``model``: every parameter (fp32 master weights; frozen parameters upcast losslessly to
+  fp32, or everything cast to ``dtype``), tied aliases sharing their owner's tensor, persistent
+  buffers in their own dtype;
+* ``optimizer``: ``state`` keyed by integer parameter ids numbered across the param groups in
+  order, each with the per-parameter ``step`` (a 0-d float32 tensor, as torch's Adam keeps it,
+  whatever type DeepSpeed's optimizer used), ``exp_avg`` and ``exp_avg_sq`` in the parameter's
+  shape; ``param_groups`` with the hyper-parameters saved in the store. A DeepSpeed FusedAdam
+  store is given torch ``Adam``/``AdamW`` group keys (``decoupled_weight_decay`` is FusedAdam's
+  ``adam_w_mode``).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ucformat.errors import ModelMismatchError, UnsupportedExportError
+from ucformat.models import CheckpointManifest
+from ucformat.pyvalue import decode
+from ucformat.reader import BUFFER_STATE, UniversalCheckpoint, open_checkpoint, scalar_value
+from ucformat.spec import FP32_STATE, STEP_STATE
+from ucformat.zarr_io import StoreLike
+
+__all__ = ["TorchLoadReport", "load", "model_state_dict", "optimizer_state_dict", "state_dicts"]
+
+_FLOATING = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
+#: Keys of a torch Adam/AdamW param group besides ``params``, with torch's defaults.
+_TORCH_ADAM_DEFAULTS: dict[str, Any] = {
+    "amsgrad": False, "maximize": False, "foreach": None, "capturable": False,
+    "differentiable": False, "fused": None,
+}  # fmt: skip
+
+
+@dataclass
+class TorchLoadReport:
+    """What :func:`load` did."""
+
+    missing: list[str] = field(default_factory=list)
+    unexpected: list[str] = field(default_factory=list)
+    #: The client state saved with the checkpoint (keys with an exact JSON form).
+    client_state: dict[str, Any] = field(default_factory=dict)
+
+
+def _open(store: StoreLike | UniversalCheckpoint) -> UniversalCheckpoint:
+    return store if isinstance(store, UniversalCheckpoint) else open_checkpoint(store)
+
+
+def _is_deepspeed_adam(manifest: CheckpointManifest) -> bool:
+    name = manifest.optimizer.name if manifest.optimizer else ""
+    return name.rpartition(".")[2] in ("FusedAdam", "DeepSpeedCPUAdam")
+
+
+def _stored_decoupled(manifest: CheckpointManifest, hyper: dict[str, Any]) -> bool | None:
+    if "decoupled_weight_decay" in hyper:
+        return bool(hyper["decoupled_weight_decay"])
+    if manifest.optimizer is not None and manifest.optimizer.adam_w_mode is not None:
+        return manifest.optimizer.adam_w_mode
+    if manifest.optimizer is not None and manifest.optimizer.name.endswith("AdamW"):
+        return True
+    return None
+
+
+def _torch_group(manifest: CheckpointManifest, index: int) -> dict[str, Any]:
+    """Group ``index``'s hyper-parameters in torch's format (FusedAdam keys translated)."""
+    assert manifest.optimizer is not None
+    hyper = {k: decode(v) for k, v in manifest.optimizer.groups[index].hyperparams.items()}
+    if not _is_deepspeed_adam(manifest):
+        return hyper
+    group: dict[str, Any] = {
+        k: hyper[k] for k in ("lr", "betas", "eps", "weight_decay") if k in hyper
+    }
+    if "betas" in group:
+        group["betas"] = tuple(group["betas"])
+    group.update(_TORCH_ADAM_DEFAULTS)
+    group["amsgrad"] = bool(hyper.get("amsgrad", False))
+    group["decoupled_weight_decay"] = bool(_stored_decoupled(manifest, hyper))
+    return group
+
+
+def _torch_step(value: Any) -> torch.Tensor:
+    """A step as torch's Adam keeps it: a 0-d tensor of the default scalar dtype."""
+    dtype = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+    return torch.tensor(float(value), dtype=dtype)
+
+
+def model_state_dict(
+    store: StoreLike | UniversalCheckpoint, *, dtype: torch.dtype | None = None
+) -> OrderedDict[str, torch.Tensor]:
+    """The model's ``state_dict()``: parameters, tied aliases, buffers.
+
+    Args:
+        store: a store path/URL/``Store`` or an opened checkpoint.
+        dtype: cast floating parameters to this dtype (default: fp32 master weights; frozen
+            parameters upcast to fp32). Buffers always keep their own dtype.
+    """
+    ckpt = _open(store)
+    manifest = ckpt.manifest
+    out: OrderedDict[str, torch.Tensor] = OrderedDict()
+    for name in manifest.params:
+        value = ckpt.read(name, FP32_STATE)
+        out[name] = value.to(dtype) if dtype is not None and value.dtype in _FLOATING else value
+    for alias, owner in manifest.tied.items():
+        out[alias] = out[owner]
+    for name in manifest.buffers:
+        out[name] = ckpt.read(name, BUFFER_STATE)
+    return out
+
+
+def _param_state(ckpt: UniversalCheckpoint, name: str, torch_step: bool) -> dict[str, Any]:
+    manifest = ckpt.manifest
+    entry = manifest.params[manifest.resolve(name)]
+    assert manifest.optimizer is not None
+    state: dict[str, Any] = {}
+    for key, scalar in entry.scalars.items():
+        value = scalar_value(scalar)
+        state[key] = _torch_step(value) if key == STEP_STATE and torch_step else value
+    for key in manifest.optimizer.state_keys:
+        if key in entry.states:
+            state[key] = ckpt.read(manifest.resolve(name), key)
+    return state
+
+
+def optimizer_state_dict(
+    store: StoreLike | UniversalCheckpoint, *, torch_step: bool = True
+) -> dict[str, Any]:
+    """The optimizer's ``state_dict()`` in torch's format (see the module docstring).
+
+    Args:
+        store: a store path/URL/``Store`` or an opened checkpoint.
+        torch_step: give ``step`` as torch's Adam keeps it (0-d float32 tensor); ``False``
+            keeps the stored type (an int for DeepSpeed's FusedAdam).
+
+    Raises:
+        UnsupportedExportError: the store holds no optimizer state.
+    """
+    ckpt = _open(store)
+    manifest = ckpt.manifest
+    if manifest.optimizer is None:
+        raise UnsupportedExportError(
+            "this store holds no optimizer state; load the model only (optimizer=None)."
+        )
+    state: dict[int, dict[str, Any]] = {}
+    groups: list[dict[str, Any]] = []
+    index = 0
+    for number, group in enumerate(manifest.optimizer.groups):
+        ids = []
+        for name in group.params:
+            state[index] = _param_state(ckpt, name, torch_step)
+            ids.append(index)
+            index += 1
+        groups.append({**_torch_group(manifest, number), "params": ids})
+    return {"state": state, "param_groups": groups}
+
+
+def state_dicts(
+    store: StoreLike | UniversalCheckpoint,
+    *,
+    dtype: torch.dtype | None = None,
+    optimizer: bool = True,
+) -> dict[str, Any]:
+    """``{"model": model state dict, "optimizer": optimizer state dict or None}``.
+
+    Example:
+        >>> state = ucformat.torch.state_dicts("ckpt.ucf")  # doctest: +SKIP
+        >>> model.load_state_dict(state["model"])  # doctest: +SKIP
+    """
+    ckpt = _open(store)
+    with_optimizer = optimizer and ckpt.manifest.optimizer is not None
+    return {
+        "model": model_state_dict(ckpt, dtype=dtype),
+        "optimizer": optimizer_state_dict(ckpt) if with_optimizer else None,
+    }
+
+
+# --- load into a live model and optimizer ----------------------------------------------------
+def _check_model(
+    model: torch.nn.Module, saved: dict[str, torch.Tensor], strict: bool, report: TorchLoadReport
+) -> None:
+    live = model.state_dict()
+    report.missing = sorted(set(live) - set(saved))
+    report.unexpected = sorted(set(saved) - set(live))
+    shapes = [
+        f"{k} {tuple(saved[k].shape)} in the store vs {tuple(live[k].shape)} in the model"
+        for k in sorted(set(live) & set(saved))
+        if saved[k].shape != live[k].shape
+    ]
+    problems = [f"shape {s}" for s in shapes]
+    if strict:
+        problems += [f"missing from the store: {', '.join(report.missing)}"] * bool(report.missing)
+        problems += [f"not in the model: {', '.join(report.unexpected)}"] * bool(report.unexpected)
+    if problems:
+        raise ModelMismatchError(
+            "the model does not match the checkpoint: " + "; ".join(problems) + ". Nothing was "
+            "loaded; fix the model" + (" or pass strict=False." if strict and not shapes else ".")
+        )
+
+
+def _live_names(model: torch.nn.Module) -> dict[int, str]:
+    return {id(p): name for name, p in model.named_parameters()}
+
+
+def _check_optimizer(
+    manifest: CheckpointManifest, optimizer: torch.optim.Optimizer, names: dict[int, str]
+) -> list[list[str]]:
+    """Member names of each live group; raise if the groups differ from the store's."""
+    if manifest.optimizer is None:
+        raise UnsupportedExportError(
+            "this store holds no optimizer state; pass optimizer=None to load the model only."
+        )
+    live = [[names.get(id(p), "?") for p in g["params"]] for g in optimizer.param_groups]
+    stored = [group.params for group in manifest.optimizer.groups]
+    resolved = [[manifest.resolve(n) for n in g] for g in live]
+    if [sorted(g) for g in resolved] != [sorted(g) for g in stored]:
+        raise ModelMismatchError(
+            f"the optimizer's param groups do not match the checkpoint's: the optimizer has "
+            f"{[len(g) for g in live]} params per group, the store {[len(g) for g in stored]} "
+            f"({manifest.optimizer.name}); build the optimizer with the training run's param "
+            "groups. Nothing was loaded."
+        )
+    return live
+
+
+def _merged_group(
+    manifest: CheckpointManifest, index: int, live: dict[str, Any], strict: bool
+) -> dict[str, Any]:
+    stored = _torch_group(manifest, index)
+    decoupled = _stored_decoupled(manifest, stored)
+    live_decoupled = live.get("decoupled_weight_decay")
+    known = decoupled is not None and live_decoupled is not None
+    if strict and known and bool(live_decoupled) != decoupled and stored.get("weight_decay", 0):
+        want = "torch.optim.AdamW" if decoupled else "torch.optim.Adam"
+        raise ModelMismatchError(
+            f"the store's optimizer used {'decoupled (AdamW)' if decoupled else 'L2 (Adam)'} "
+            f"weight decay but the optimizer does not; use {want}, or pass strict=False to "
+            "keep the optimizer's own setting. Nothing was loaded."
+        )
+    merged = {k: v for k, v in live.items() if k != "params"}
+    for key in merged:
+        if key in stored and key != "decoupled_weight_decay":
+            merged[key] = stored[key]
+    return merged
+
+
+def load(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    store: StoreLike | UniversalCheckpoint,
+    *,
+    strict: bool = True,
+) -> TorchLoadReport:
+    """Load a store into a plain PyTorch model and (optionally) optimizer, single process.
+
+    The model gets every parameter (from fp32, cast by ``load_state_dict`` to the model's
+    dtype), tied aliases and buffers. The optimizer (built over the same param groups as the
+    training run, in any order within a group) gets per-parameter state and the step, and its
+    groups get the stored hyper-parameters for every key they have.
+
+    Args:
+        model: the model to fill.
+        optimizer: a ``torch.optim`` optimizer over ``model``'s parameters, or None.
+        store: a store path/URL/``Store`` or an opened checkpoint.
+        strict: fail (before changing anything) on missing/unexpected names or an optimizer
+            whose weight-decay mode differs from the store's.
+
+    Raises:
+        ModelMismatchError: the model or the optimizer's groups do not match the store.
+        UnsupportedExportError: an optimizer was given but the store holds no optimizer state.
+
+    Example:
+        >>> optimizer = torch.optim.AdamW(model.parameters())  # doctest: +SKIP
+        >>> ucformat.torch.load(model, optimizer, "ckpt.ucf")  # doctest: +SKIP
+    """
+    ckpt = _open(store)
+    manifest = ckpt.manifest
+    report = TorchLoadReport()
+    saved = model_state_dict(ckpt)
+    _check_model(model, saved, strict, report)
+    optimizer_sd = None
+    if optimizer is not None:
+        names = _live_names(model)
+        live_groups = _check_optimizer(manifest, optimizer, names)
+        torch_step = type(optimizer).__module__.startswith("torch.optim")
+        state: dict[int, dict[str, Any]] = {}
+        groups: list[dict[str, Any]] = []
+        index = 0
+        for number, (members, live) in enumerate(
+            zip(live_groups, optimizer.param_groups, strict=True)
+        ):
+            ids = []
+            for name in members:
+                state[index] = _param_state(ckpt, name, torch_step)
+                ids.append(index)
+                index += 1
+            groups.append({**_merged_group(manifest, number, live, strict), "params": ids})
+        optimizer_sd = {"state": state, "param_groups": groups}
+    model.load_state_dict(saved, strict=strict)
+    if optimizer_sd is not None and optimizer is not None:
+        optimizer.load_state_dict(optimizer_sd)
+    report.client_state = {k: decode(v) for k, v in manifest.client_state.values.items()}
+    return report
