@@ -21,6 +21,7 @@ import ucformat
 from ucformat.convert import ConvertHooks
 from ucformat.plan import ConvertPlan
 from ucformat.summary import format_bytes
+from ucformat.writer import DEFAULT_WORKERS
 
 _KIB = 1024
 
@@ -47,7 +48,9 @@ def convert_command(
         int | None, typer.Option(help="Shard target in MiB (object size).", min=1)
     ] = None,
     compress: Annotated[str, typer.Option(help="Chunk compression: none or zstd.")] = "none",
-    workers: Annotated[int, typer.Option(help="Threads writing shards.", min=1)] = 1,
+    workers: Annotated[
+        int, typer.Option(help="Threads writing shards (default: CPU count, at most 4).", min=1)
+    ] = DEFAULT_WORKERS,
     opaque_global: Annotated[
         list[str] | None,
         typer.Option(

@@ -20,7 +20,7 @@ from ucformat.plan import ConvertOptions, ConvertPlan, plan_convert
 from ucformat.sources.deepspeed import read_deepspeed_checkpoint
 from ucformat.sources.safe_unpickle import PicklePolicy
 from ucformat.spec import FORMAT_NAME, FORMAT_VERSION, MANIFEST_KEY
-from ucformat.writer import create_arrays, write_units
+from ucformat.writer import DEFAULT_WORKERS, create_arrays, write_units
 from ucformat.zarr_io import StoreLike, delete_key, list_keys, open_store
 
 __all__ = ["ConvertHooks", "convert", "plan_from_source"]
@@ -61,7 +61,7 @@ def convert(
     chunk_bytes: int | None = None,
     shard_bytes: int | None = None,
     compressor: str = "none",
-    workers: int = 1,
+    workers: int = DEFAULT_WORKERS,
     opaque_globals: Iterable[str] = (),
     hooks: ConvertHooks | None = None,
 ) -> CheckpointManifest:
@@ -73,10 +73,10 @@ def convert(
         tag: the tag to convert when ``src`` is a run folder (default: ``latest``).
         overwrite: replace an existing ucformat store at ``dst``.
         dry_run: plan and validate only; write nothing.
-        chunk_bytes: inner chunk target (read granularity); default 128 KiB.
-        shard_bytes: shard target (storage object size); default 64 MiB.
+        chunk_bytes: inner chunk target (read granularity); default 64 KiB.
+        shard_bytes: shard target (storage object size); default 16 MiB.
         compressor: ``"none"`` or ``"zstd"``.
-        workers: threads writing shards concurrently.
+        workers: threads writing shards concurrently (default: the CPU count, at most 4).
         opaque_globals: extra pickle globals to keep as inert placeholders (client state).
         hooks: progress callbacks.
 

@@ -18,6 +18,7 @@ zarr's codec pipeline (:func:`fill_unit`, then one region write).
 from __future__ import annotations
 
 import bisect
+import os
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -34,7 +35,11 @@ from ucformat.plan import ConvertPlan, WriteUnit
 from ucformat.zarr_io import create_arrays as create_array_group
 from ucformat.zarr_io import write_region, write_shard
 
-__all__ = ["create_arrays", "encode_shard", "fill_unit", "write_units"]
+__all__ = ["DEFAULT_WORKERS", "create_arrays", "encode_shard", "fill_unit", "write_units"]
+
+#: Shard writers run concurrently by default: reading, checksumming and writing overlap, and
+#: memory stays bounded by ``workers x shard size``.
+DEFAULT_WORKERS = max(1, min(4, os.cpu_count() or 1))
 
 Progress = Callable[[int], None]
 
@@ -119,7 +124,7 @@ def write_units(
     arrays: Sequence[zarr.Array[Any]],
     units: Sequence[WriteUnit],
     *,
-    workers: int = 1,
+    workers: int = DEFAULT_WORKERS,
     progress: Progress | None = None,
 ) -> None:
     """Fill and write ``units`` (any subset of ``plan.units``) into ``arrays``.

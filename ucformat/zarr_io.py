@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 import zarr
-from zarr.abc.store import ByteRequest, Store, SuffixByteRequest
+from zarr.abc.store import ByteRequest, RangeByteRequest, Store, SuffixByteRequest
 from zarr.codecs import BytesCodec, Crc32cCodec, ZstdCodec
 from zarr.core.array import AsyncArray
 from zarr.core.buffer import Buffer, BufferPrototype, default_buffer_prototype
@@ -56,7 +56,9 @@ __all__ = [
     "create_arrays",
     "delete_key",
     "expected_metadata",
+    "fetch_bytes",
     "list_keys",
+    "local_file",
     "open_array",
     "open_store",
     "read_box",
@@ -129,7 +131,8 @@ class CheckedStore(WrapperStore[Store]):
         if result is not None and cache_key is not None:
             self._cache.put(cache_key, result)
         if result is None:
-            if "/c/" in key or key.split("/")[-1] == "c":
+            name = key.rpartition("/")[2]  # a param named "c" has metadata under ".../c/..."
+            if name != "zarr.json" and ("/c/" in key or name == "c"):
                 raise ChunkMissingError(
                     f"{key}: this chunk object is missing from the store; the store is damaged "
                     "(re-run the convert, or restore the object)."
@@ -376,6 +379,31 @@ def _reason(exc: BaseException) -> str:
 
 def _describe_box(box: tuple[slice, ...]) -> str:
     return "[" + ", ".join(f"{s.start}:{s.stop}" for s in box) + "]"
+
+
+def fetch_bytes(
+    store: Store, key: str, start: int | None = None, stop: int | None = None,
+    *, suffix: int | None = None,
+) -> np.ndarray | None:  # fmt: skip
+    """Bytes ``[start, stop)`` (or the last ``suffix`` bytes) of the object at ``key``, as
+    ``uint8``; None if the object is absent. A :class:`CheckedStore` counts them, caches
+    suffix reads (shard indexes) and raises :class:`ChunkMissingError` for a missing shard."""
+    request: ByteRequest | None
+    if suffix is not None:
+        request = SuffixByteRequest(suffix)
+    elif start is not None and stop is not None:
+        request = RangeByteRequest(start, stop)
+    else:
+        request = None
+    result = sync(store.get(key, default_buffer_prototype(), request))
+    return None if result is None else result.as_numpy_array()
+
+
+def local_file(store: Store, key: str) -> Path | None:
+    """The file holding ``key`` if ``store`` is (a wrapper of) a local directory store."""
+    while isinstance(store, WrapperStore):
+        store = store._store
+    return Path(store.root) / key if isinstance(store, LocalStore) else None
 
 
 def read_key(store: Store, key: str) -> bytes | None:

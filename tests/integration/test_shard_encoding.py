@@ -47,3 +47,39 @@ def test_encoded_shards_equal_zarr_writes(
             assert read_key(ours, key) == read_key(zarr_store, key), (ref.path, coords)
             shards += 1
     assert shards >= sum(1 for r in refs if r.shape and all(r.shape))
+
+
+def test_fast_reads_equal_zarr_reads(tmp_path: Path) -> None:
+    """The reader's direct shard reads give zarr's values and fetch zarr's bytes."""
+    import random
+
+    from ucformat._shard_read import read_flat_range
+    from ucformat.dtypes import numpy_storage_dtype
+    from ucformat.layout.chunking import chunk_aligned_range
+    from ucformat.layout.ranges import flat_range_to_boxes
+    from ucformat.zarr_io import read_box
+
+    ucformat.convert(
+        DATA / "z3-bf16-dsadam-ftb-ws4" / "ckpt", tmp_path / "s", chunk_bytes=24, shard_bytes=96
+    )
+    rng = random.Random(1)
+    fast = ucformat.open(tmp_path / "s")
+    slow = ucformat.open(tmp_path / "s")
+    refs = [s for p in fast.manifest.params.values() for s in p.states.values() if s.shape]
+    for _ in range(60):
+        ref = rng.choice(refs)
+        numel = int(np.prod(ref.shape))
+        start = rng.randrange(numel)
+        stop = rng.randint(start + 1, numel)
+        out = np.empty(stop - start, dtype=numpy_storage_dtype(ref.dtype))
+        array = fast._array(ref)
+        assert read_flat_range(
+            fast.store, ref, lambda shard, a=array: chunk_key(a, shard), start, stop, out
+        )
+        low, high = chunk_aligned_range(ref.shape, ref.chunk_shape, start, stop)
+        values = np.concatenate(
+            [read_box(slow._array(ref), box).reshape(-1)
+             for box in flat_range_to_boxes(ref.shape, low, high)]
+        )  # fmt: skip
+        assert np.array_equal(out, values[start - low : stop - low])
+    assert fast.stats.bytes_read <= slow.stats.bytes_read

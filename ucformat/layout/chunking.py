@@ -26,10 +26,15 @@ __all__ = ["ChunkPolicy", "Chunking", "choose_chunking", "chunk_aligned_range", 
 
 @dataclass(frozen=True)
 class ChunkPolicy:
-    """Byte targets for inner chunks and shards (uncompressed)."""
+    """Byte targets for inner chunks and shards (uncompressed).
 
-    chunk_bytes: int = 128 * 1024
-    shard_bytes: int = 64 * 1024 * 1024
+    The defaults come from the simulated scale table in docs/benchmarks.md (read amplification
+    of large-world-size loads, by chunk and shard size). A shard is also the converter's unit
+    of memory: it holds about ``workers x shard_bytes``.
+    """
+
+    chunk_bytes: int = 64 * 1024
+    shard_bytes: int = 16 * 1024 * 1024
 
     def __post_init__(self) -> None:
         if self.chunk_bytes < 1 or self.shard_bytes < self.chunk_bytes:

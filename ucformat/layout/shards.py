@@ -18,6 +18,7 @@ says where each run goes. Pure integer arithmetic: no zarr, no numpy.
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -26,8 +27,8 @@ from math import prod
 from ucformat.layout.grid import chunk_box
 from ucformat.layout.partition import ceil_div
 
-__all__ = ["CRC_BYTES", "ChunkSlot", "INDEX_ENTRY_BYTES", "ShardLayout", "morton_order",
-           "shard_layout"]  # fmt: skip
+__all__ = ["ABSENT", "CRC_BYTES", "ChunkSlot", "INDEX_ENTRY_BYTES", "ShardLayout",
+           "morton_order", "shard_layout", "shards_in_range"]  # fmt: skip
 
 CRC_BYTES = 4
 INDEX_ENTRY_BYTES = 16
@@ -70,17 +71,8 @@ class ShardLayout:
         return self.index_offset + self.index_nbytes
 
 
-def morton_order(grid: Sequence[int]) -> list[tuple[int, ...]]:
-    """Every coordinate of ``grid`` in compressed Morton (Z) order, as zarr orders shard chunks.
-
-    Bit ``b`` of every dimension that needs more than ``b`` bits is interleaved in dimension
-    order, lowest bits first; dimensions of extent 1 take no bits.
-
-    >>> morton_order((2, 2))
-    [(0, 0), (1, 0), (0, 1), (1, 1)]
-    >>> morton_order((3, 1))
-    [(0, 0), (1, 0), (2, 0)]
-    """
+@functools.lru_cache(maxsize=64)
+def _morton_order(grid: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:
     bits = [(extent - 1).bit_length() for extent in grid]
 
     def code(coords: tuple[int, ...]) -> int:
@@ -92,7 +84,21 @@ def morton_order(grid: Sequence[int]) -> list[tuple[int, ...]]:
                     out += 1
         return value
 
-    return sorted(itertools.product(*(range(extent) for extent in grid)), key=code)
+    return tuple(sorted(itertools.product(*(range(extent) for extent in grid)), key=code))
+
+
+def morton_order(grid: Sequence[int]) -> list[tuple[int, ...]]:
+    """Every coordinate of ``grid`` in compressed Morton (Z) order, as zarr orders shard chunks.
+
+    Bit ``b`` of every dimension that needs more than ``b`` bits is interleaved in dimension
+    order, lowest bits first; dimensions of extent 1 take no bits.
+
+    >>> morton_order((2, 2))
+    [(0, 0), (1, 0), (0, 1), (1, 1)]
+    >>> morton_order((3, 1))
+    [(0, 0), (1, 0), (2, 0)]
+    """
+    return list(_morton_order(tuple(grid)))
 
 
 def shard_layout(
@@ -118,7 +124,19 @@ def shard_layout(
     >>> layout.chunk_nbytes, layout.index_offset, layout.nbytes
     (48, 104, 140)
     """
-    dims, chunks, shards = tuple(shape), tuple(chunk_shape), tuple(shard_shape)
+    return _shard_layout(
+        tuple(shape), tuple(chunk_shape), tuple(shard_shape), itemsize, tuple(shard)
+    )
+
+
+@functools.lru_cache(maxsize=64)  # a reader asks for the same shard once per state
+def _shard_layout(
+    dims: tuple[int, ...],
+    chunks: tuple[int, ...],
+    shards: tuple[int, ...],
+    itemsize: int,
+    shard: tuple[int, ...],
+) -> ShardLayout:
     if not dims or prod(dims) == 0:
         raise ValueError(f"no shard layout for an array of shape {dims}")
     if len(shard) != len(dims) or len(chunks) != len(dims) or len(shards) != len(dims):
@@ -145,3 +163,39 @@ def shard_layout(
         slots.append(ChunkSlot(local, first, length, offset))
         offset += chunk_nbytes + CRC_BYTES
     return ShardLayout(per_shard, chunk_nbytes, tuple(slots), offset)
+
+
+def shards_in_range(
+    shape: Sequence[int], shard_shape: Sequence[int], start: int, stop: int
+) -> list[tuple[int, ...]]:
+    """Coordinates of the shards holding flat elements ``[start, stop)``, in flat order.
+
+    Shards are flat-contiguous blocks (docs/format.md §2.2), so they are the shards from the
+    one holding ``start`` to the one holding ``stop - 1`` in row-major shard-grid order.
+
+    >>> shards_in_range((10, 4), (6, 4), 20, 30)
+    [(0, 0), (1, 0)]
+    """
+    if start >= stop:
+        return []
+    dims, blocks = tuple(shape), tuple(shard_shape)
+    grid = [ceil_div(d, b) for d, b in zip(dims, blocks, strict=True)]
+
+    def shard_id(index: int) -> int:
+        coords = []
+        for dim in reversed(dims):
+            coords.append(index % dim)
+            index //= dim
+        value = 0
+        for coord, block, extent in zip(reversed(coords), blocks, grid, strict=True):
+            value = value * extent + coord // block
+        return value
+
+    out = []
+    for value in range(shard_id(start), shard_id(stop - 1) + 1):
+        coords = []
+        for extent in reversed(grid):
+            coords.append(value % extent)
+            value //= extent
+        out.append(tuple(reversed(coords)))
+    return out

@@ -83,11 +83,17 @@ def read_flat_state(
     stored_dtype = stored.pop()
     if state == FP32_STATE and stored_dtype != "float32":
         stored_dtype = "float32"
-    out = np.zeros(target.numel, dtype=numpy_storage_dtype(stored_dtype))
-    if base is not None:
-        out[:] = (
-            base.detach().to("cpu", torch.float32 if stored_dtype == "float32" else None).numpy()
-        )
+    out = np.empty(target.numel, dtype=numpy_storage_dtype(stored_dtype))
+    filler = (
+        None
+        if base is None
+        else base.detach().to("cpu", torch.float32 if stored_dtype == "float32" else None).numpy()
+    )
+    gap = 0  # every element is written once: from the store, else from base, else zero
+    for low, high in sorted((f.partition_start, f.partition_start + f.length) for f in fragments):
+        _fill(out, gap, low, filler)
+        gap = high
+    _fill(out, gap, target.numel, filler)
     for fragment in fragments:
         ref = refs[fragment.name]
         window = out[fragment.partition_start : fragment.partition_start + fragment.length]
@@ -104,3 +110,8 @@ def read_flat_state(
     if dtype is not None and tensor.dtype != dtype:
         tensor = tensor.to(dtype)
     return tensor
+
+
+def _fill(out: np.ndarray, start: int, stop: int, filler: np.ndarray | None) -> None:
+    if start < stop:
+        out[start:stop] = 0 if filler is None else filler[start:stop]
