@@ -53,7 +53,7 @@ def read_flat_range(
     item = itemsize(ref.dtype)
     if ref.compressor != "none" or not ref.shape or start >= stop or out.itemsize != item:
         return False
-    target = memoryview(out).cast("B")
+    target = out.data.cast("B")
     copied = 0
     for shard in shards_in_range(ref.shape, ref.shard_shape, start, stop):
         try:
@@ -120,20 +120,21 @@ class _Run:
         slot = self.chunks[index][1]
         into = (low - self.start) * self.item
         fro = (low - slot.flat_start) * self.item
-        self.target[into : into + (high - low) * self.item] = chunk[fro : fro + (high - low) * self.item]
+        size = (high - low) * self.item
+        self.target[into : into + size] = chunk[fro : fro + size]
 
     def read_store(self, store: Store, key: str) -> bool:
         """One range request through the store, then checks and copies."""
         data = fetch_bytes(store, key, self.begin, self.begin + self.nbytes)
         if data is None or len(data) != self.nbytes:
             return False
-        source = memoryview(data)
+        source = data.data
         for index in range(len(self.chunks)):
             at = index * (self.chunk_nbytes + CRC_BYTES)
             chunk = source[at : at + self.chunk_nbytes]
             if not _crc_ok(chunk, source[at + self.chunk_nbytes : at + self.chunk_nbytes + 4]):
                 return False
-            low, high, whole = self.parts[index]
+            low, _, whole = self.parts[index]
             if whole:
                 into = (low - self.start) * self.item
                 self.target[into : into + self.chunk_nbytes] = chunk
@@ -148,7 +149,7 @@ class _Run:
             + CRC_BYTES * len(self.chunks),
             dtype=np.uint8,
         )
-        spare = memoryview(scratch)
+        spare = scratch.data
         views: list[memoryview] = []
         chunks: list[memoryview] = []
         used = 0
@@ -210,7 +211,7 @@ def _index(
     raw = fetch_bytes(store, key, suffix=nbytes)
     if raw is None or len(raw) != nbytes:
         return None
-    body = memoryview(raw)[: nbytes - CRC_BYTES]
-    if not _crc_ok(body, memoryview(raw)[nbytes - CRC_BYTES :]):
+    body = raw.data[: nbytes - CRC_BYTES]
+    if not _crc_ok(body, raw.data[nbytes - CRC_BYTES :]):
         return None
     return np.frombuffer(body, dtype="<u8").reshape(*chunks_per_shard, 2)

@@ -15,9 +15,12 @@ its checksum, or array metadata that cannot be parsed, is a
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import json
+import os
 import threading
+import uuid
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -26,7 +29,13 @@ from typing import Any
 
 import numpy as np
 import zarr
-from zarr.abc.store import ByteRequest, RangeByteRequest, Store, SuffixByteRequest
+from zarr.abc.store import (
+    ByteRequest,
+    OffsetByteRequest,
+    RangeByteRequest,
+    Store,
+    SuffixByteRequest,
+)
 from zarr.codecs import BytesCodec, Crc32cCodec, ZstdCodec
 from zarr.core.array import AsyncArray
 from zarr.core.buffer import Buffer, BufferPrototype, default_buffer_prototype
@@ -59,6 +68,7 @@ __all__ = [
     "fetch_bytes",
     "list_keys",
     "local_file",
+    "local_object",
     "open_array",
     "open_store",
     "read_box",
@@ -151,6 +161,36 @@ class CheckedStore(WrapperStore[Store]):
                 raise ChunkMissingError(f"{key}: this chunk object is missing from the store.")
             self.stats.add(len(result))
         return results
+
+    def get_local(self, path: Path, key: str, byte_range: ByteRequest | None) -> Buffer | None:
+        """What :meth:`get` returns for ``key``, read with ``pread`` from ``path``, the local
+        file holding it: no round trip through zarr's event loop (counted and cached the same
+        way). A missing file goes through :meth:`get`, which says what is missing."""
+        cache_key = (key, byte_range.suffix) if isinstance(byte_range, SuffixByteRequest) else None
+        if cache_key is not None and (cached := self._cache.get(cache_key)) is not None:
+            return cached
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            return sync(self.get(key, default_buffer_prototype(), byte_range))
+        try:
+            size = os.fstat(fd).st_size
+            if isinstance(byte_range, SuffixByteRequest):
+                start, stop = max(0, size - byte_range.suffix), size
+            elif isinstance(byte_range, RangeByteRequest):
+                start, stop = byte_range.start, min(byte_range.end, size)
+            elif isinstance(byte_range, OffsetByteRequest):
+                start, stop = byte_range.offset, size
+            else:
+                start, stop = 0, size
+            data = os.pread(fd, max(0, stop - start), start)
+        finally:
+            os.close(fd)
+        result = default_buffer_prototype().buffer.from_bytes(data)
+        if cache_key is not None:
+            self._cache.put(cache_key, result)
+        self.stats.add(len(result))
+        return result
 
 
 def open_store(target: StoreLike, *, read_only: bool) -> Store:
@@ -395,7 +435,11 @@ def fetch_bytes(
         request = RangeByteRequest(start, stop)
     else:
         request = None
-    result = sync(store.get(key, default_buffer_prototype(), request))
+    path = local_file(store, key) if isinstance(store, CheckedStore) else None
+    if isinstance(store, CheckedStore) and path is not None:
+        result = store.get_local(path, key, request)
+    else:
+        result = sync(store.get(key, default_buffer_prototype(), request))
     return None if result is None else result.as_numpy_array()
 
 
@@ -404,6 +448,31 @@ def local_file(store: Store, key: str) -> Path | None:
     while isinstance(store, WrapperStore):
         store = store._store
     return Path(store.root) / key if isinstance(store, LocalStore) else None
+
+
+@contextlib.contextmanager
+def local_object(store: Store, key: str) -> Iterator[int | None]:
+    """A file descriptor open for writing the object ``key`` of a local store, else None.
+
+    Written the way zarr's ``LocalStore.set`` writes: into ``<key>.<hex>.partial``, renamed over
+    ``key`` when the block exits normally and removed if it raises, so a reader never sees a
+    partial object under its real name.
+    """
+    path = local_file(store, key)
+    if path is None or store.read_only:
+        yield None
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_suffix(f".{uuid.uuid4().hex}.partial")
+    fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        yield fd
+    except BaseException:
+        os.close(fd)
+        partial.unlink(missing_ok=True)
+        raise
+    os.close(fd)
+    partial.replace(path)
 
 
 def read_key(store: Store, key: str) -> bytes | None:

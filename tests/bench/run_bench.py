@@ -16,11 +16,11 @@ For every checkpoint (ZeRO-1 and ZeRO-3, bf16, saved at world size 2 by
    (:mod:`tests.bench.measure`), peak and final disk of the output folder (temporary disk =
    peak - final). Medians are reported.
 2. **inspect**: ``ucformat inspect STORE`` end to end, and the same work in-process.
-3. **load** (checkpoints in ``--load-sizes``): at each world size, one torchrun launch of
-   :mod:`tests.bench._load_worker` runs DeepSpeed's ``load_universal`` (from the
-   ``ds_to_universal`` output) and ``ucformat.deepspeed.load`` (from the store) into the same
-   engine in the order ds, ucf, ucf, ds; per rank: wall time, bytes read, and a digest of the
-   loaded state (both loaders must agree).
+3. **load** (checkpoints in ``--load-sizes``): at each world size, four torchrun launches of
+   :mod:`tests.bench._load_worker`, each a fresh job doing one load, in the order DeepSpeed's
+   ``load_universal`` (from the ``ds_to_universal`` output), ``ucformat.deepspeed.load`` (from
+   the store), ucformat, DeepSpeed; per rank: wall time, bytes read, and a digest of the loaded
+   state (every load must give the same).
 4. **scale**: the simulated read amplification at W = 8..4096 (:mod:`tests.bench.scale`).
 
 Prints the results and the ratios against the targets, and writes them as markdown (for
@@ -130,8 +130,9 @@ def convert_cmd(tool: str, src: Path, out: Path) -> list[str]:
     if tool == "ucformat":
         return [_ucformat_exe(), "convert", str(src), str(out), "-q"]
     if tool == "ds_to_universal":
+        universal = str(out / f"{TAG}_universal")
         return [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal",
-                "--input_folder", str(src), "--output_folder", str(out / f"{TAG}_universal")]  # fmt: skip
+                "--input_folder", str(src), "--output_folder", universal]  # fmt: skip
     raise ValueError(tool)
 
 
@@ -173,6 +174,7 @@ def summarize_convert(runs: dict[str, list[RunStats]]) -> dict[str, dict[str, fl
         tool: {
             "wall_s": med([r.wall_s for r in stats]),
             "wall_min_s": min(r.wall_s for r in stats),
+            "wall_max_s": max(r.wall_s for r in stats),
             "max_rss": med([r.max_rss for r in stats]),
             "peak_pss": med([r.peak_pss for r in stats]),
             "temp_disk": med([r.temp_disk for r in stats]),
@@ -234,21 +236,28 @@ def bench_inspect(store: Path, repeat: int) -> dict[str, float]:
 def bench_load(
     case: BenchCase, ds_dir: Path, store: Path, world_size: int, work: Path
 ) -> dict[str, Any]:
-    """One torchrun launch at ``world_size``: both loaders, per-rank numbers."""
-    result = work / f"load-ws{world_size}.json"
-    job = work / f"load-ws{world_size}-job.json"
-    job.write_text(json.dumps({
-        "case": case.__dict__, "ds_dir": str(ds_dir), "store": str(store),
-        "order": list(LOAD_ORDER), "result": str(result),
-    }))  # fmt: skip
-    sync()
-    warm(ds_dir, store)
-    log = work / f"load-ws{world_size}.log"
-    status = run_logged(torchrun_cmd(world_size, free_port(), job, LOAD_WORKER), log, 900.0)
-    if status != 0:
-        raise RuntimeError(f"load launch ws={world_size} failed ({status}); log {log}\n"
-                           f"{log_excerpt(log)}")  # fmt: skip
-    ranks = json.loads(result.read_text())["ranks"]
+    """Launches at ``world_size``, one load each (ds, ucf, ucf, ds); per-rank numbers.
+
+    Each load runs in a fresh job, as a resuming job loads once: neither loader inherits the
+    other's warm-up (imports, allocator, first touch of memory).
+    """
+    ranks: list[list[dict[str, Any]]] = [[] for _ in range(world_size)]
+    for index, loader in enumerate(LOAD_ORDER):
+        result = work / f"load-ws{world_size}-{index}.json"
+        job = work / f"load-ws{world_size}-{index}-job.json"
+        job.write_text(json.dumps({
+            "case": case.__dict__, "ds_dir": str(ds_dir), "store": str(store),
+            "order": [loader], "result": str(result),
+        }))  # fmt: skip
+        sync()
+        warm(ds_dir, store)
+        log = work / f"load-ws{world_size}-{index}.log"
+        status = run_logged(torchrun_cmd(world_size, free_port(), job, LOAD_WORKER), log, 900.0)
+        if status != 0:
+            raise RuntimeError(f"load launch ws={world_size} failed ({status}); log {log}\n"
+                               f"{log_excerpt(log)}")  # fmt: skip
+        for rank, rows in enumerate(json.loads(result.read_text())["ranks"]):
+            ranks[rank] += rows
     out: dict[str, Any] = {"world_size": world_size}
     for loader in ("ds", "ucf"):
         rows = [[row for row in rank if row["loader"] == loader] for rank in ranks]
@@ -335,32 +344,46 @@ def markdown(results: dict[str, Any]) -> str:
     lines = [
         f"Measured {m['date']} on {m['nproc']} CPU cores ({m['cpu']}), {m['memory_gib']} GiB "
         f"RAM, Linux {m['kernel']}; Python {m['python']}, torch {m['torch']}, deepspeed "
-        f"{m['deepspeed']}, zarr {m['zarr']}, ucformat {m['ucformat']}. Load average at start: "
-        + ", ".join(f"{x:.2f}" for x in m["load_average"]) + ". Command: `"
-        + results["command"] + "`.",
+        f"{m['deepspeed']}, zarr {m['zarr']}, ucformat {m['ucformat']}. Load average (1, 5, 15 "
+        "min) at start: "
+        + ", ".join(f"{x:.2f}" for x in m["load_average"])
+        + "; at end: "
+        + ", ".join(f"{x:.2f}" for x in m.get("load_average_end", ()))
+        + ". Command: `"
+        + results["command"]
+        + "`.",
         "",
         "### Convert (median of "
         f"{results['repeat']} runs each, same warm source, `sync` before each run)",
         "",
-        "| checkpoint | size | tool | wall | max RSS | tree PSS | temp disk | output |",
-        "|---|---|---|---|---|---|---|---|",
+        "| checkpoint | size | tool | wall | (min - max) | max RSS | tree PSS | temp disk "
+        "| output |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for name, entry in results["checkpoints"].items():
         for tool in CONTENDERS:
             s = entry["convert"][tool]
             lines.append(
                 f"| {name} | {_gb(entry['size'])} | {tool} | {s['wall_s']:.2f} s | "
+                f"{s['wall_min_s']:.2f} - {s['wall_max_s']:.2f} s | "
                 f"{_gb(s['max_rss'])} | {_gb(s['peak_pss'])} | {_gb(s['temp_disk'])} | "
                 f"{_gb(s['final_disk'])} |"
             )
-    lines += ["", "### Inspect", "", "| checkpoint | `ucformat inspect` (CLI) | of which "
-              "`import ucformat_cli.main` | open + summarize in-process |", "|---|---|---|---|"]
+    lines += [
+        "",
+        "### Inspect",
+        "",
+        "| checkpoint | `ucformat inspect` (CLI) | of which "
+        "`import ucformat_cli.main` | open + summarize in-process |",
+        "|---|---|---|---|",
+    ]
     for name, entry in results["checkpoints"].items():
         if "inspect" in entry:
             i = entry["inspect"]
             lines.append(f"| {name} | {i['cli_s']:.2f} s | {i['cli_import_s']:.2f} s | "
                          f"{1000 * i['in_process_s']:.0f} ms |")  # fmt: skip
-    lines += ["", "### Load (per rank; mean of 2 runs each, order ds, ucf, ucf, ds)", "",
+    lines += ["", "### Load (per rank; mean of 2 fresh jobs each, in the order ds, ucf, ucf, ds)",
+              "",
               "| checkpoint | W | loader | seconds per rank | job seconds | bytes read per rank "
               "| needed per rank | read / needed (all ranks) | same state |",
               "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
@@ -374,10 +397,13 @@ def markdown(results: dict[str, Any]) -> str:
                 lines.append(
                     f"| {name} | {load['world_size']} | {label} | "
                     + ", ".join(f"{s:.2f}" for s in d["seconds_per_rank"])
-                    + f" | {d['job_seconds']:.2f} | " + ", ".join(_gb(b) for b in read)
-                    + " | " + ", ".join(_gb(b) for b in needed)
+                    + f" | {d['job_seconds']:.2f} | "
+                    + ", ".join(_gb(b) for b in read)
+                    + " | "
+                    + ", ".join(_gb(b) for b in needed)
                     + f" | {sum(read) / sum(needed):.2f}x | "
-                    + ("yes" if load["same_state"] else "**NO**") + " |"
+                    + ("yes" if load["same_state"] else "**NO**")
+                    + " |"
                 )
     lines += ["", "### Targets", "", "| target | on | measured | |", "|---|---|---|---|"]
     lines += [f"| {t} | {on} | {value} | {_mark(ok)} |" for t, on, value, ok in targets(results)]
@@ -462,6 +488,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             for r in rows if r["policy"] == default
         ]  # fmt: skip
         print(f"[bench] scale table in {time.monotonic() - started:.0f} s", flush=True)
+    results["machine"]["load_average_end"] = os.getloadavg()
     text = markdown(results)
     print(text)
     (args.markdown or cache / "results.md").write_text(text)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+import os
 import random
 from dataclasses import dataclass
 from math import prod
@@ -12,12 +14,12 @@ import pytest
 from zarr.core.indexing import morton_order_iter
 from zarr.storage import MemoryStore
 
+from ucformat._shard_write import encode_shard, stream_shard
 from ucformat.layout.chunking import ChunkPolicy, choose_chunking
 from ucformat.layout.shards import morton_order, shard_layout
 from ucformat.models import ArrayRef
 from ucformat.plan import _units
 from ucformat.sources.base import ArraySource, SourceFragment
-from ucformat.writer import encode_shard
 from ucformat.zarr_io import chunk_key, create_array, read_key, write_region
 
 
@@ -83,7 +85,7 @@ def test_encoded_shards_equal_zarr_writes(seed: int) -> None:
         cut = sorted(rng.sample(range(1, values.size), min(3, values.size - 1)))
         bounds = [0, *cut, values.size]
         tensor: Any = _MemoryTensor(values)
-        fragments = [SourceFragment(tensor, a, a, b - a) for a, b in zip(bounds, bounds[1:])]
+        fragments = [SourceFragment(tensor, a, a, b - a) for a, b in itertools.pairwise(bounds)]
         store = MemoryStore()
         array = create_array(store, ref)
         for unit in _units(0, ref, ArraySource(shape, dtype, fragments)):
@@ -92,3 +94,31 @@ def test_encoded_shards_equal_zarr_writes(seed: int) -> None:
             write_region(array, unit.region, region)
             expected = read_key(store, chunk_key(array, coords))
             assert encoded.tobytes() == expected, (shape, dtype, policy, coords)
+
+
+@pytest.mark.parametrize("window", [1, 40, 1 << 20])
+def test_streamed_shards_equal_encoded_shards(tmp_path: Any, window: int) -> None:
+    rng = random.Random(window)
+    for trial in range(30):
+        shape, dtype, policy = _random_case(rng)
+        values = np.arange(prod(shape)).astype(
+            {"float32": "<f4", "bfloat16": "<u2", "int64": "<i8", "uint8": "u1"}[dtype]
+        )
+        chunking = choose_chunking(shape, values.itemsize, policy)
+        ref = ArrayRef(
+            path="a", dtype=dtype, shape=list(shape),  # type: ignore[arg-type]
+            chunk_shape=list(chunking.chunk_shape), shard_shape=list(chunking.shard_shape),
+            nbytes=values.nbytes, compressor="none",
+        )  # fmt: skip
+        tensor: Any = _MemoryTensor(values)
+        fragments = [SourceFragment(tensor, 0, 0, values.size)]
+        for unit in _units(0, ref, ArraySource(shape, dtype, fragments)):
+            _, encoded = encode_shard(ref, unit)
+            path = tmp_path / f"{trial}"
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+            try:
+                size = stream_shard(fd, ref, unit, memoryview(bytearray(window)))
+            finally:
+                os.close(fd)
+            assert size == len(encoded)
+            assert path.read_bytes() == encoded.tobytes()

@@ -128,4 +128,3 @@ def _rank_ranges(
         flat = PartitionedFlatLayout.build([(name, numels[name]) for name in group], world_size)
         for fragment in flat.all_fragments():
             yield fragment.name, fragment.param_start, fragment.param_stop, 1
-

@@ -1,0 +1,169 @@
+"""Encode uncompressed shard objects straight from the source fragments (the converter's path).
+
+A shard object (:mod:`ucformat.layout.shards`) is its chunks in zarr's order, each followed by
+its crc32c, then the index and its crc32c. :class:`ShardEncoder` fills any run of consecutive
+chunks of it into a byte buffer: ``preadv`` scatters each source fragment directly into the
+chunks it fills (one copy, from the page cache), edge-chunk padding is zeroed, and each chunk's
+crc32c is computed in place. Two ways to use it:
+
+* :func:`stream_shard` writes the object to a file window by window through one small buffer
+  that each worker reuses for every shard (local stores): the copies stay in the CPU cache, the
+  buffer's pages are touched once per worker, and memory does not depend on the shard size;
+* :func:`encode_shard` builds the whole object in one buffer (any other store, then one
+  ``store.set``).
+
+Either way the bytes are exactly those zarr writes for the same region
+(``tests/unit/test_shards.py``, ``tests/integration/test_shard_encoding.py``); zarr's per-chunk
+encode (a coroutine, a checksum copy and a shard copy per chunk) is what this avoids.
+"""
+
+from __future__ import annotations
+
+import bisect
+import mmap
+import os
+from collections.abc import Iterator, Sequence
+
+import crc32c
+import numpy as np
+
+from ucformat.dtypes import itemsize, torch_to_storage
+from ucformat.layout.shards import ABSENT, CRC_BYTES, ChunkSlot, ShardLayout, shard_layout
+from ucformat.models import ArrayRef
+from ucformat.plan import CopyItem, WriteUnit
+
+__all__ = ["WINDOW_BYTES", "ShardEncoder", "encode_shard", "stream_shard"]
+
+#: Bytes of chunks (with their checksums) a streaming writer fills and writes at a time.
+WINDOW_BYTES = 4 * 1024 * 1024
+
+
+class ShardEncoder:
+    """Fills the chunks of one :class:`~ucformat.plan.WriteUnit`'s shard object.
+
+    Raises:
+        ValueError: the array is 0-d or compressed, or its chunks are not flat-contiguous.
+    """
+
+    def __init__(self, ref: ArrayRef, unit: WriteUnit) -> None:
+        if ref.compressor != "none" or not ref.shape:
+            raise ValueError(f"{ref.path}: only uncompressed n-d shards are encoded here")
+        self.item = itemsize(ref.dtype)
+        self.shard = tuple(
+            piece.start // size for piece, size in zip(unit.region, ref.shard_shape, strict=True)
+        )
+        self.layout: ShardLayout = shard_layout(
+            ref.shape, ref.chunk_shape, ref.shard_shape, self.item, self.shard
+        )
+        runs = sorted(self.layout.slots, key=lambda slot: slot.flat_start)
+        if sum(s.length for s in runs) != unit.numel or runs[0].flat_start != unit.flat_start:
+            raise ValueError(f"{ref.path}: shard {self.shard} is not one flat range of chunks")
+        self.path = ref.path
+        self.flat_start = unit.flat_start
+        self.copies: tuple[CopyItem, ...] = tuple(sorted(unit.copies, key=lambda c: c.offset))
+        self._copy_starts = [unit.flat_start + copy.offset for copy in self.copies]
+
+    @property
+    def stored(self) -> int:
+        """Bytes of one stored chunk with its checksum."""
+        return self.layout.chunk_nbytes + CRC_BYTES
+
+    def windows(self, limit: int) -> Iterator[Sequence[ChunkSlot]]:
+        """The chunks in storage order, in runs of at most ``limit`` bytes (at least one)."""
+        per = max(1, limit // self.stored)
+        slots = self.layout.slots
+        for first in range(0, len(slots), per):
+            yield slots[first : first + per]
+
+    def fill(self, buffer: memoryview, slots: Sequence[ChunkSlot]) -> None:
+        """Write ``slots`` (consecutive in storage order) with their checksums into ``buffer``.
+
+        ``buffer[0]`` is the object's byte ``slots[0].offset``.
+        """
+        base, item, chunk = slots[0].offset, self.item, self.layout.chunk_nbytes
+        reads: dict[int, list[tuple[int, int, memoryview]]] = {}
+        for slot in sorted(slots, key=lambda s: s.flat_start):
+            at = slot.offset - base
+            if slot.length * item < chunk:  # an edge chunk: padding holds the fill value 0
+                buffer[at + slot.length * item : at + chunk] = bytes(chunk - slot.length * item)
+            stop = slot.flat_start + slot.length
+            index = max(0, bisect.bisect_right(self._copy_starts, slot.flat_start) - 1)
+            while index < len(self.copies) and self._copy_starts[index] < stop:
+                low = max(slot.flat_start, self._copy_starts[index])
+                high = min(stop, self._copy_starts[index] + self.copies[index].length)
+                if low < high:
+                    into = at + (low - slot.flat_start) * item
+                    reads.setdefault(index, []).append(
+                        (low, high, buffer[into : into + (high - low) * item])
+                    )
+                index += 1
+        for index, pieces in reads.items():
+            self._read(self.copies[index], self._copy_starts[index], pieces)
+        for slot in slots:
+            at = slot.offset - base
+            checksum = crc32c.crc32c(buffer[at : at + chunk])
+            buffer[at + chunk : at + chunk + CRC_BYTES] = checksum.to_bytes(4, "little")
+
+    def _read(
+        self, copy: CopyItem, copy_start: int, pieces: list[tuple[int, int, memoryview]]
+    ) -> None:
+        """Read the parts of ``copy`` that ``pieces`` (flat order) need into their views."""
+        tensor = copy.fragment.tensor
+        if not tensor.is_contiguous():
+            whole = torch_to_storage(tensor.load()).reshape(-1).data.cast("B")
+            for low, high, view in pieces:
+                first = (copy.tensor_start + low - copy_start) * self.item
+                view[:] = whole[first : first + (high - low) * self.item]
+            return
+        group_start, group = pieces[0][0], [pieces[0][2]]
+        previous_high = pieces[0][1]
+        for low, high, view in pieces[1:]:
+            if low != previous_high:  # not adjacent in the source: one read per run
+                tensor.read_scattered(copy.tensor_start + group_start - copy_start, group)
+                group_start, group = low, []
+            group.append(view)
+            previous_high = high
+        tensor.read_scattered(copy.tensor_start + group_start - copy_start, group)
+
+    def index_bytes(self) -> bytes:
+        """The shard index with its checksum (the object's last bytes)."""
+        entries = np.full((*self.layout.chunks_per_shard, 2), ABSENT, dtype="<u8")
+        for slot in self.layout.slots:
+            entries[slot.local] = (slot.offset, self.stored)
+        raw = entries.tobytes()
+        return raw + crc32c.crc32c(raw).to_bytes(4, "little")
+
+
+def encode_shard(ref: ArrayRef, unit: WriteUnit) -> tuple[tuple[int, ...], np.ndarray]:
+    """The shard coordinates of ``unit`` and its whole stored object, as ``uint8``."""
+    encoder = ShardEncoder(ref, unit)
+    layout = encoder.layout
+    # A private anonymous mapping, unmapped as soon as the shard is written: shards of every
+    # size never fragment the heap.
+    buffer = np.frombuffer(mmap.mmap(-1, layout.nbytes), dtype=np.uint8)
+    view = buffer.data
+    encoder.fill(view, layout.slots)
+    view[layout.index_offset :] = encoder.index_bytes()
+    return encoder.shard, buffer
+
+
+def stream_shard(fd: int, ref: ArrayRef, unit: WriteUnit, scratch: memoryview) -> int:
+    """Write ``unit``'s shard object to the file ``fd`` through ``scratch``; its size in bytes.
+
+    ``scratch`` is any buffer (at least one stored chunk is used even if it is smaller).
+    """
+    encoder = ShardEncoder(ref, unit)
+    if len(scratch) < encoder.stored:
+        scratch = memoryview(bytearray(encoder.stored))
+    for slots in encoder.windows(len(scratch)):
+        size = len(slots) * encoder.stored
+        encoder.fill(scratch[:size], slots)
+        _pwrite_all(fd, scratch[:size], slots[0].offset)
+    _pwrite_all(fd, memoryview(encoder.index_bytes()), encoder.layout.index_offset)
+    return encoder.layout.nbytes
+
+
+def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    done = 0
+    while done < len(data):
+        done += os.pwrite(fd, data[done:], offset + done)
