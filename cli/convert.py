@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
@@ -17,11 +17,10 @@ from rich.progress import (
 )
 from ucformat_cli._errors import user_errors
 
-import ucformat
-from ucformat.convert import ConvertHooks
-from ucformat.plan import ConvertPlan
 from ucformat.summary import format_bytes
-from ucformat.writer import DEFAULT_WORKERS
+
+if TYPE_CHECKING:
+    from ucformat.plan import ConvertPlan
 
 _KIB = 1024
 
@@ -49,8 +48,9 @@ def convert_command(
     ] = None,
     compress: Annotated[str, typer.Option(help="Chunk compression: none or zstd.")] = "none",
     workers: Annotated[
-        int, typer.Option(help="Threads writing shards (default: CPU count, at most 4).", min=1)
-    ] = DEFAULT_WORKERS,
+        int | None,
+        typer.Option(help="Threads writing shards [default: CPU count, at most 4].", min=1),
+    ] = None,
     opaque_global: Annotated[
         list[str] | None,
         typer.Option(
@@ -61,6 +61,9 @@ def convert_command(
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar.")] = False,
 ) -> None:
     """Convert a DeepSpeed ZeRO-1/2/3 checkpoint into a universal ucformat store."""
+    from ucformat.convert import ConvertHooks, convert
+    from ucformat.writer import DEFAULT_WORKERS
+
     if compress not in ("none", "zstd"):
         raise typer.BadParameter("must be 'none' or 'zstd'", param_hint="--compress")
     console = Console(stderr=True)
@@ -82,7 +85,7 @@ def convert_command(
             planned.append(plan)
             bar.update(task, total=plan.nbytes)
 
-        manifest = ucformat.convert(
+        manifest = convert(
             src,
             dst,
             tag=tag,
@@ -91,7 +94,7 @@ def convert_command(
             chunk_bytes=chunk_kib * _KIB if chunk_kib else None,
             shard_bytes=shard_mib * _KIB * _KIB if shard_mib else None,
             compressor=compress,
-            workers=workers,
+            workers=workers or DEFAULT_WORKERS,
             opaque_globals=opaque_global or (),
             hooks=ConvertHooks(on_plan=on_plan, on_bytes=lambda n: bar.advance(task, n)),
         )

@@ -6,7 +6,8 @@ import json
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Annotated, Any
+from types import ModuleType
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.console import Console
@@ -14,13 +15,9 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColu
 from ucformat_cli._errors import user_errors
 
 from ucformat.errors import UnsupportedExportError
-from ucformat.export import (
-    ExportHooks,
-    ExportResult,
-    export_deepspeed,
-    export_deepspeed_universal,
-    export_safetensors,
-)
+
+if TYPE_CHECKING:  # the exporters (and torch) are imported by the command that runs
+    from ucformat.export import ExportHooks, ExportResult
 
 export_app = typer.Typer(
     name="export",
@@ -54,11 +51,19 @@ def _progress(label: str, quiet: bool, dry_run: bool) -> Iterator[ExportHooks]:
         disable=quiet or dry_run or not console.is_terminal,
         transient=True,
     ) as bar:
+        from ucformat.export import ExportHooks
+
         task = bar.add_task(label, total=None)
         yield ExportHooks(
             on_plan=lambda total: bar.update(task, total=total),
             on_bytes=lambda count: bar.advance(task, count),
         )
+
+
+def _exporters() -> ModuleType:
+    import ucformat.export
+
+    return ucformat.export
 
 
 def _report(result: ExportResult) -> None:
@@ -100,7 +105,7 @@ def safetensors_command(
         "exporting safetensors",
         quiet,
         dry_run,
-        lambda hooks: export_safetensors(
+        lambda hooks: _exporters().export_safetensors(
             store,
             out,
             dtype=dtype,
@@ -130,7 +135,7 @@ def universal_command(
         "exporting DeepSpeed universal",
         quiet,
         dry_run,
-        lambda hooks: export_deepspeed_universal(
+        lambda hooks: _exporters().export_deepspeed_universal(
             store, out, tag=tag, overwrite=overwrite, dry_run=dry_run, hooks=hooks
         ),
     )
@@ -175,7 +180,7 @@ def deepspeed_command(
         "exporting DeepSpeed ZeRO",
         quiet,
         dry_run,
-        lambda hooks: export_deepspeed(
+        lambda hooks: _exporters().export_deepspeed(
             store,
             out,
             world_size=world_size,

@@ -7,10 +7,11 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
-from rich.table import Table
+from rich.markup import escape
 from ucformat_cli._errors import user_errors
+from ucformat_cli._table import render_table
 
-import ucformat
+from ucformat.manifest_io import load_manifest
 from ucformat.summary import format_bytes, summarize
 
 
@@ -21,39 +22,37 @@ def inspect_command(
     param: Annotated[str | None, typer.Option(help="Only params matching this glob.")] = None,
 ) -> None:
     """Show what a store holds: params, shapes, dtypes, groups, states, sizes."""
-    ckpt = ucformat.open(store)
+    manifest = load_manifest(store)
     if as_json:
-        typer.echo(ckpt.manifest.model_dump_json(indent=2))
+        typer.echo(manifest.model_dump_json(indent=2))
         return
-    summary = summarize(ckpt.manifest)
+    summary = summarize(manifest)
     console = Console(highlight=False, soft_wrap=True)
     for key, value in summary.header.items():
-        console.print(f"[bold]{key}:[/] {value}")
-    table = Table(title="parameters", title_justify="left")
-    for column in ("name", "shape", "dtype", "group", "states", "size"):
-        table.add_column(column, justify="right" if column == "size" else "left")
-    for row in summary.params:
-        if param and not fnmatch.fnmatchcase(row.name, param):
-            continue
-        name = row.name + (f" (= {', '.join(row.aliases)})" if row.aliases else "")
-        table.add_row(
-            name, "x".join(map(str, row.shape)) or "()", row.dtype, row.group,
-            ", ".join(row.states), format_bytes(row.nbytes),
-        )  # fmt: skip
-    console.print(table)
+        console.print(f"[bold]{key}:[/] {escape(str(value))}")
+    params = [
+        (
+            row.name + (f" (= {', '.join(row.aliases)})" if row.aliases else ""),
+            "x".join(map(str, row.shape)) or "()",
+            row.dtype,
+            row.group,
+            ", ".join(row.states),
+            format_bytes(row.nbytes),
+        )
+        for row in summary.params
+        if not param or fnmatch.fnmatchcase(row.name, param)
+    ]
+    columns = ("name", "shape", "dtype", "group", "states", "size")
+    typer.echo(render_table("parameters", columns, params, right_aligned=frozenset({"size"})))
     if summary.groups:
-        groups = Table(title="optimizer groups", title_justify="left")
-        for column in ("group", "params", "hyper-parameters"):
-            groups.add_column(column)
-        for index, count, hyper in summary.groups:
-            groups.add_row(str(index), str(count), hyper)
-        console.print(groups)
+        groups = [(str(index), str(count), hyper) for index, count, hyper in summary.groups]
+        columns = ("group", "params", "hyper-parameters")
+        typer.echo("\n" + render_table("optimizer groups", columns, groups))
     if summary.buffers:
-        buffers = Table(title="buffers", title_justify="left")
-        for column in ("name", "shape", "dtype"):
-            buffers.add_column(column)
-        for name, shape, dtype in summary.buffers:
-            buffers.add_row(name, "x".join(map(str, shape)) or "()", dtype)
-        console.print(buffers)
+        buffers = [
+            (name, "x".join(map(str, shape)) or "()", dtype)
+            for name, shape, dtype in summary.buffers
+        ]
+        typer.echo("\n" + render_table("buffers", ("name", "shape", "dtype"), buffers))
     for key, value in summary.totals.items():
-        console.print(f"[bold]{key}:[/] {value}")
+        console.print(f"[bold]{key}:[/] {escape(str(value))}")

@@ -9,8 +9,6 @@ from typing import Annotated
 import typer
 from ucformat_cli._errors import user_errors
 
-import ucformat
-
 #: Exit code when verification ran and found problems (2 is for unusable input).
 PROBLEMS_FOUND = 1
 
@@ -33,7 +31,9 @@ def verify_command(
     With --against, also re-read the source checkpoint and require every value to be bit-equal.
     Exit codes: 0 all good, 1 problems found (each printed), 2 unusable input.
     """
-    report = ucformat.verify(store, against, opaque_globals=opaque_global or ())
+    from ucformat.verify import verify
+
+    report = verify(store, against, opaque_globals=opaque_global or ())
     if as_json:
         typer.echo(json.dumps(report.as_dict(), indent=2))
     else:

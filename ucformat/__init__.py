@@ -13,25 +13,68 @@ True
 
 from __future__ import annotations
 
-from ucformat._version import __version__
-from ucformat.convert import convert
-from ucformat.errors import UCFormatError
-from ucformat.models import CheckpointManifest
-from ucformat.reader import UniversalCheckpoint
-from ucformat.reader import open_checkpoint as open
-from ucformat.verify import VerifyReport, verify
+import importlib
+import sys
+import types
+from typing import TYPE_CHECKING
 
-#: Submodules imported on first access (``ucformat.deepspeed.load``), so that ``import ucformat``
-#: stays light and never imports DeepSpeed.
+from ucformat._version import __version__
+
+if TYPE_CHECKING:
+    from ucformat.convert import convert
+    from ucformat.errors import UCFormatError
+    from ucformat.models import CheckpointManifest
+    from ucformat.reader import UniversalCheckpoint
+    from ucformat.reader import open_checkpoint as open
+    from ucformat.verify import VerifyReport, verify
+
+#: The public names, each imported from its module on first access, so that ``import ucformat``
+#: costs nothing until something is used: ``ucformat inspect`` imports neither torch nor zarr,
+#: and nothing here ever imports DeepSpeed.
+_LAZY_ATTRIBUTES: dict[str, tuple[str, str]] = {
+    "CheckpointManifest": ("ucformat.models", "CheckpointManifest"),
+    "UCFormatError": ("ucformat.errors", "UCFormatError"),
+    "UniversalCheckpoint": ("ucformat.reader", "UniversalCheckpoint"),
+    "VerifyReport": ("ucformat.verify", "VerifyReport"),
+    "convert": ("ucformat.convert", "convert"),
+    "open": ("ucformat.reader", "open_checkpoint"),
+    "verify": ("ucformat.verify", "verify"),
+}
+
+#: Submodules reached as attributes (``ucformat.deepspeed.load``) and imported on first access.
 _LAZY_SUBMODULES = frozenset({"deepspeed", "export", "torch"})
 
 
 def __getattr__(name: str) -> object:
+    if name in _LAZY_ATTRIBUTES:
+        module, attribute = _LAZY_ATTRIBUTES[name]
+        value = getattr(importlib.import_module(module), attribute)
+        globals()[name] = value
+        return value
     if name in _LAZY_SUBMODULES:
-        import importlib
-
         return importlib.import_module(f"ucformat.{name}")
     raise AttributeError(f"module 'ucformat' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY_ATTRIBUTES, *_LAZY_SUBMODULES})
+
+
+class _Package(types.ModuleType):
+    """``ucformat.convert`` and ``ucformat.verify`` are the functions, as the API promises.
+
+    Importing the submodule of the same name (``from ucformat.convert import ConvertHooks``)
+    makes Python set the package attribute to the submodule; that assignment is dropped here,
+    so the lazy :func:`__getattr__` keeps answering with the function.
+    """
+
+    def __setattr__(self, name: str, value: object) -> None:
+        if name in _LAZY_ATTRIBUTES and isinstance(value, types.ModuleType):
+            return
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package
 
 
 __all__ = [

@@ -8,8 +8,13 @@ same name, little-endian.
 
 from __future__ import annotations
 
+import functools
+from typing import TYPE_CHECKING
+
 import numpy as np
-import torch
+
+if TYPE_CHECKING:  # torch is imported on first use: reading a manifest must not need it
+    import torch
 
 __all__ = [
     "DTYPE_NAMES",
@@ -21,20 +26,11 @@ __all__ = [
     "torch_to_storage",
 ]
 
-_TORCH_BY_NAME: dict[str, torch.dtype] = {
-    "float64": torch.float64,
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "int64": torch.int64,
-    "int32": torch.int32,
-    "int16": torch.int16,
-    "int8": torch.int8,
-    "uint8": torch.uint8,
-    "bool": torch.bool,
-}
-_NAME_BY_TORCH = {v: k for k, v in _TORCH_BY_NAME.items()}
-DTYPE_NAMES: tuple[str, ...] = tuple(_TORCH_BY_NAME)
+#: Every dtype name a manifest may use, as torch names them without the ``torch.`` prefix.
+DTYPE_NAMES: tuple[str, ...] = (
+    "float64", "float32", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8",
+    "bool",
+)  # fmt: skip
 
 _STORAGE_BY_NAME: dict[str, np.dtype[np.generic]] = {
     name: np.dtype(name) for name in DTYPE_NAMES if name != "bfloat16"
@@ -42,10 +38,22 @@ _STORAGE_BY_NAME: dict[str, np.dtype[np.generic]] = {
 _STORAGE_BY_NAME["bfloat16"] = np.dtype("uint16")
 
 
+@functools.cache
+def _torch_by_name() -> dict[str, torch.dtype]:
+    import torch
+
+    return {name: getattr(torch, name) for name in DTYPE_NAMES}
+
+
+@functools.cache
+def _name_by_torch() -> dict[torch.dtype, str]:
+    return {dtype: name for name, dtype in _torch_by_name().items()}
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     """Return the manifest name of a torch dtype; raise ``TypeError`` for unsupported ones."""
     try:
-        return _NAME_BY_TORCH[dtype]
+        return _name_by_torch()[dtype]
     except KeyError:
         raise TypeError(f"dtype {dtype} is not supported by ucformat") from None
 
@@ -53,7 +61,7 @@ def dtype_name(dtype: torch.dtype) -> str:
 def torch_dtype(name: str) -> torch.dtype:
     """Return the torch dtype of a manifest dtype name."""
     try:
-        return _TORCH_BY_NAME[name]
+        return _torch_by_name()[name]
     except KeyError:
         raise TypeError(f"unknown dtype name {name!r}; expected one of {DTYPE_NAMES}") from None
 
@@ -70,6 +78,8 @@ def itemsize(name: str) -> int:
 
 def torch_to_storage(tensor: torch.Tensor) -> np.ndarray:
     """View a CPU tensor as the numpy array zarr stores (bfloat16 as uint16 bit patterns)."""
+    import torch
+
     tensor = tensor.detach().contiguous()
     if tensor.dtype == torch.bfloat16:
         return tensor.view(torch.int16).numpy().view(np.uint16)
@@ -78,6 +88,8 @@ def torch_to_storage(tensor: torch.Tensor) -> np.ndarray:
 
 def storage_to_torch(array: np.ndarray, name: str) -> torch.Tensor:
     """Turn an array read from zarr back into a tensor of dtype ``name`` (no copy if possible)."""
+    import torch
+
     array = np.ascontiguousarray(array)
     if name == "bfloat16":
         return torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)

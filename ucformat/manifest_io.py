@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
-from zarr.abc.store import Store
 
 from ucformat.errors import (
     IncompleteStoreError,
@@ -25,15 +25,24 @@ from ucformat.errors import (
     NotAStoreError,
     UnsupportedVersionError,
 )
+from ucformat.locations import existing_store_directory, local_directory
 from ucformat.models import CheckpointManifest
 from ucformat.spec import FORMAT_NAME, FORMAT_VERSION, MANIFEST_KEY
-from ucformat.zarr_io import read_key, write_key
+
+if TYPE_CHECKING:
+    from zarr.abc.store import Store
+
+    from ucformat.zarr_io import StoreLike
+
+#: Reads one object of a store by key; None when it is absent.
+KeyReader = Callable[[str], "bytes | None"]
 
 __all__ = [
     "ROOT_KEY",
     "commit_manifest",
     "digest_matches",
     "document_digest",
+    "load_manifest",
     "manifest_digest",
     "parse_manifest",
     "read_manifest",
@@ -63,6 +72,8 @@ def document_digest(document: Mapping[str, Any]) -> str:
 
 def commit_manifest(store: Store, manifest: CheckpointManifest) -> CheckpointManifest:
     """Stamp ``manifest`` with its digest and write it as the store's last object."""
+    from ucformat.zarr_io import write_key
+
     stamped = manifest.model_copy(update={"digest": manifest_digest(manifest)})
     text = stamped.model_dump_json(indent=1)
     write_key(store, MANIFEST_KEY, text.encode())
@@ -81,12 +92,45 @@ def read_manifest(store: Store, where: str) -> CheckpointManifest:
     return parse_manifest(read_manifest_bytes(store, where), where)
 
 
+def load_manifest(target: StoreLike) -> CheckpointManifest:
+    """The validated manifest of the store at ``target``, reading nothing else.
+
+    What ``ucformat inspect`` uses: a local store is read with plain file I/O, so neither zarr nor
+    torch is imported; any other target goes through its zarr store. The errors are those of
+    :func:`read_manifest`, and of :func:`ucformat.zarr_io.open_store` for a bad path.
+    """
+    path = local_directory(target) if isinstance(target, (str, Path)) else None
+    if path is None:
+        from ucformat.zarr_io import open_store
+
+        return read_manifest(open_store(target, read_only=True), str(target))
+    directory = existing_store_directory(path)
+    where = str(target)
+    return parse_manifest(_read_manifest_payload(_file_reader(directory), where), where)
+
+
+def _file_reader(directory: Path) -> KeyReader:
+    def read(key: str) -> bytes | None:
+        try:
+            return (directory / key).read_bytes()
+        except (FileNotFoundError, IsADirectoryError):
+            return None
+
+    return read
+
+
 def read_manifest_bytes(store: Store, where: str) -> bytes:
     """The manifest object of ``store``; the errors of :func:`read_manifest` when absent."""
-    payload = read_key(store, MANIFEST_KEY)
+    from ucformat.zarr_io import read_key
+
+    return _read_manifest_payload(lambda key: read_key(store, key), where)
+
+
+def _read_manifest_payload(read: KeyReader, where: str) -> bytes:
+    payload = read(MANIFEST_KEY)
     if payload is not None:
         return payload
-    root = read_key(store, ROOT_KEY)
+    root = read(ROOT_KEY)
     if root is None:
         raise NotAStoreError(
             f"{where}: not a ucformat store (no {MANIFEST_KEY} and no {ROOT_KEY}); give the path "

@@ -19,13 +19,15 @@ Anything else (objects, non-scalar tensors, bytes) is not representable; :func:`
 from __future__ import annotations
 
 import math
+import sys
 from typing import Any
-
-import torch
 
 from ucformat.dtypes import dtype_name, torch_dtype
 
-__all__ = ["NotRepresentable", "decode", "describe_type", "encode", "try_encode"]
+__all__ = [
+    "NotRepresentable", "Shown", "decode", "decode_for_display", "describe_type", "encode",
+    "try_encode",
+]  # fmt: skip
 
 JSON = Any
 
@@ -52,6 +54,9 @@ def encode(value: Any) -> JSON:
         if all(isinstance(k, str) and not k.startswith("$") for k in value):
             return {k: encode(v) for k, v in value.items()}
         return {"$dict": [[encode(k), encode(v)] for k, v in value.items()]}
+    torch = sys.modules.get("torch")  # a torch value exists only once torch is imported
+    if torch is None:
+        raise NotRepresentable(describe_type(value))
     if isinstance(value, torch.dtype):
         return {"$dtype": dtype_name(value)}
     if isinstance(value, torch.Tensor) and value.dim() == 0:
@@ -69,23 +74,47 @@ def try_encode(value: Any) -> tuple[bool, JSON]:
 
 def decode(data: JSON) -> Any:
     """Invert :func:`encode`."""
+    return _decode(data, shown=False)
+
+
+def decode_for_display(data: JSON) -> Any:
+    """Like :func:`decode`, but dtypes and scalar tensors become :class:`Shown` text: no torch.
+
+    For printing (``ucformat inspect``): ``str()`` of the result reads like the decoded value.
+    """
+    return _decode(data, shown=True)
+
+
+class Shown(str):
+    """Text that stands for a torch value in a displayed structure (its repr is the text)."""
+
+    def __repr__(self) -> str:
+        return str(self)
+
+
+def _decode(data: JSON, *, shown: bool) -> Any:
     if isinstance(data, list):
-        return [decode(v) for v in data]
+        return [_decode(v, shown=shown) for v in data]
     if not isinstance(data, dict):
         return data
     if len(data) == 1:
         ((tag, body),) = data.items()
         if tag == "$tuple":
-            return tuple(decode(v) for v in body)
+            return tuple(_decode(v, shown=shown) for v in body)
         if tag == "$float":
             return float(body)
         if tag == "$dict":
-            return {_hashable(decode(k)): decode(v) for k, v in body}
+            return {_hashable(_decode(k, shown=shown)): _decode(v, shown=shown) for k, v in body}
         if tag == "$dtype":
-            return torch_dtype(body)
+            return Shown(f"torch.{body}") if shown else torch_dtype(body)
         if tag == "$scalar_tensor":
-            return torch.tensor(decode(body["value"]), dtype=torch_dtype(body["dtype"]))
-    return {k: decode(v) for k, v in data.items()}
+            value = _decode(body["value"], shown=shown)
+            if shown:
+                return Shown(f"tensor({value!r}, dtype=torch.{body['dtype']})")
+            import torch
+
+            return torch.tensor(value, dtype=torch_dtype(body["dtype"]))
+    return {k: _decode(v, shown=shown) for k, v in data.items()}
 
 
 def _hashable(key: Any) -> Any:
@@ -94,9 +123,12 @@ def _hashable(key: Any) -> Any:
 
 def describe_type(value: Any) -> str:
     """A short type description of a value that cannot be encoded (``Tensor[float32, (3,)]``)."""
-    if isinstance(value, torch.Tensor) or (hasattr(value, "dtype") and hasattr(value, "shape")):
+    torch = sys.modules.get("torch")
+    is_tensor = torch is not None and isinstance(value, torch.Tensor)
+    if is_tensor or (hasattr(value, "dtype") and hasattr(value, "shape")):
         dtype = value.dtype
-        name = dtype_name(dtype) if isinstance(dtype, torch.dtype) else str(dtype)
+        is_torch_dtype = torch is not None and isinstance(dtype, torch.dtype)
+        name = dtype_name(dtype) if is_torch_dtype else str(dtype)
         return f"Tensor[{name}, {tuple(value.shape)}]"
     qualname = getattr(value, "ucformat_qualname", None)
     if qualname is not None:

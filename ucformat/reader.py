@@ -168,8 +168,12 @@ class UniversalCheckpoint:
         if start >= stop:
             return
         array = self._array(ref)
-        if out.ndim == 1 and out.flags.c_contiguous and read_flat_range(
-            self.store, ref, lambda shard: chunk_key(array, shard), start, stop, out
+        if (
+            out.ndim == 1
+            and out.flags.c_contiguous
+            and read_flat_range(
+                self.store, ref, lambda shard: chunk_key(array, shard), start, stop, out
+            )
         ):
             return  # uncompressed shards, every checksum good (else zarr reads and reports)
         low, high = chunk_aligned_range(ref.shape, ref.chunk_shape, start, stop)

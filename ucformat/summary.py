@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ucformat.models import CheckpointManifest
-from ucformat.pyvalue import decode
+from ucformat.pyvalue import decode_for_display
 
 __all__ = ["ParamRow", "StoreSummary", "format_bytes", "summarize"]
 
@@ -65,7 +65,7 @@ def summarize(manifest: CheckpointManifest) -> StoreSummary:
             f"{progress.loss_scaler.class_name} scale {progress.loss_scaler.cur_scale:g}"
         )
     if progress.lr_scheduler is not None:
-        header["lr scheduler"] = str(decode(progress.lr_scheduler))
+        header["lr scheduler"] = str(decode_for_display(progress.lr_scheduler))
     client = manifest.client_state
     if client.values or client.unrepresentable:
         kept = ", ".join(client.values) or "-"
@@ -88,7 +88,7 @@ def summarize(manifest: CheckpointManifest) -> StoreSummary:
         (
             index,
             len(group.params),
-            ", ".join(f"{k}={decode(v)}" for k, v in group.hyperparams.items()),
+            ", ".join(f"{k}={decode_for_display(v)}" for k, v in group.hyperparams.items()),
         )
         for index, group in enumerate(optimizer.groups if optimizer else [])
     )

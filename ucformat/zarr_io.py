@@ -47,10 +47,9 @@ from ucformat.dtypes import numpy_storage_dtype
 from ucformat.errors import (
     ChunkMissingError,
     CorruptDataError,
-    NotAStoreError,
-    SourceNotFoundError,
 )
 from ucformat.layout.grid import chunk_box, chunk_flat_range, chunks_in_box
+from ucformat.locations import existing_store_directory, local_directory
 from ucformat.models import ArrayRef
 
 __all__ = [
@@ -206,16 +205,11 @@ def open_store(target: StoreLike, *, read_only: bool) -> Store:
             if target.read_only == read_only or not read_only
             else target.with_read_only(True)
         )
-    text = str(target)
-    if "://" in text and not text.startswith("file://"):
-        return FsspecStore.from_url(text, read_only=read_only)
-    path = Path(text.removeprefix("file://"))
-    if read_only and not path.exists():
-        raise SourceNotFoundError(f"{path}: no such store.")
-    if read_only and not path.is_dir():
-        raise NotAStoreError(
-            f"{path}: is a file, not a ucformat store (a directory written by 'ucformat convert')."
-        )
+    path = local_directory(target)
+    if path is None:
+        return FsspecStore.from_url(str(target), read_only=read_only)
+    if read_only:
+        existing_store_directory(path)
     return LocalStore(path, read_only=read_only)
 
 

@@ -30,6 +30,7 @@ from tests.hostile import (
     attacks,
     replace_data_pkl,
 )
+from ucformat.manifest_io import load_manifest
 from ucformat.schema import SCHEMA_PATH
 
 DATA = Path(__file__).resolve().parents[1] / "fixtures" / "data"
@@ -118,21 +119,63 @@ def test_inspect_json_is_the_manifest_and_matches_the_schema(store: Path) -> Non
 def test_inspect_reads_only_the_manifest(
     store: Path, monkeypatch: pytest.MonkeyPatch, extra: list[str]
 ) -> None:
-    keys: list[str] = []
-    original_get = LocalStore.get
+    opened: list[str] = []
+    original_read_bytes = Path.read_bytes
+
+    def read_bytes(self: Path) -> bytes:
+        opened.append(self.relative_to(store).as_posix())
+        return original_read_bytes(self)
 
     async def get(self: LocalStore, key: str, *args: Any, **kwargs: Any) -> Any:
+        raise AssertionError(f"inspect went through zarr for {key}")
+
+    monkeypatch.setattr(Path, "read_bytes", read_bytes)
+    monkeypatch.setattr(LocalStore, "get", get)
+    result = invoke("inspect", store, *extra)
+    assert result.exit_code == 0, result.stderr
+    assert opened == ["ucformat.json"]
+
+
+def test_inspect_of_a_store_url_reads_only_the_manifest(
+    store: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    memory = zarr.storage.MemoryStore()
+    for path in sorted(p for p in store.rglob("*") if p.is_file()):
+        key = path.relative_to(store).as_posix()
+        zarr.core.sync.sync(
+            memory.set(key, zarr.core.buffer.default_buffer_prototype().buffer.from_bytes(
+                path.read_bytes()
+            ))
+        )  # fmt: skip
+    keys: list[str] = []
+    original_get = zarr.storage.MemoryStore.get
+
+    async def get(self: Any, key: str, *args: Any, **kwargs: Any) -> Any:
         keys.append(key)
         return await original_get(self, key, *args, **kwargs)
 
-    async def get_partial_values(self: LocalStore, prototype: Any, key_ranges: Any) -> Any:
-        raise AssertionError(f"inspect read byte ranges: {list(key_ranges)}")
-
-    monkeypatch.setattr(LocalStore, "get", get)
-    monkeypatch.setattr(LocalStore, "get_partial_values", get_partial_values)
-    result = invoke("inspect", store, *extra)
-    assert result.exit_code == 0, result.stderr
+    monkeypatch.setattr(zarr.storage.MemoryStore, "get", get)
+    manifest = load_manifest(memory)
     assert keys == ["ucformat.json"]
+    assert manifest == ucformat.open(store).manifest
+
+
+def test_inspect_imports_neither_torch_nor_zarr(store: Path) -> None:
+    """What keeps ``ucformat inspect`` instant: it never imports torch, zarr or DeepSpeed."""
+    script = (
+        "import sys\n"
+        "from ucformat_cli.main import app\n"
+        f"try:\n    app(['inspect', {str(store)!r}])\n"
+        "except SystemExit as exit:\n    assert exit.code in (0, None), exit.code\n"
+        "heavy = sorted(m for m in ('torch', 'zarr', 'deepspeed') if m in sys.modules)\n"
+        "print('imported:', heavy, file=sys.stderr)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    assert "params: 7 (293 elements)" in done.stdout
+    assert done.stderr.splitlines()[-1] == "imported: []"
 
 
 def test_verify_ok(store: Path) -> None:
