@@ -160,6 +160,25 @@ def test_inspect_of_a_store_url_reads_only_the_manifest(
     assert manifest == ucformat.open(store).manifest
 
 
+@pytest.mark.parametrize("source", [ZERO1, ZERO2], ids=["zero1-bf16", "zero2-fp32"])
+def test_convert_does_not_import_torch(source: Path, tmp_path: Path) -> None:
+    """Conversion reads torch files with its own reader: no torch start-up, no torch memory."""
+    script = (
+        "import sys\n"
+        "from ucformat_cli.main import app\n"
+        f"try:\n    app(['convert', {str(source)!r}, {str(tmp_path / 'out.ucf')!r}, '-q'])\n"
+        "except SystemExit as exit:\n    assert exit.code in (0, None), exit.code\n"
+        "print('imported:', sorted(m for m in ('torch', 'deepspeed') if m in sys.modules),\n"
+        "      file=sys.stderr)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.splitlines()[-1] == "imported: []"
+    assert ucformat.verify(tmp_path / "out.ucf", against=source).ok
+
+
 def test_inspect_imports_neither_torch_nor_zarr(store: Path) -> None:
     """What keeps ``ucformat inspect`` instant: it never imports torch, zarr or DeepSpeed."""
     script = (

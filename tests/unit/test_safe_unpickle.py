@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -65,6 +67,52 @@ def test_real_tensors_decode_lazily_and_exactly(tmp_path: Path) -> None:
         out = torch.empty(3, dtype=torch.float32).numpy()
         obj["view"].read_into(out, 2, 5)
         assert out.tolist() == [6.0, 7.0, 8.0]
+
+
+SCALAR_VALUES = [
+    torch.tensor(3.14159, dtype=torch.bfloat16),
+    torch.tensor(-0.0, dtype=torch.bfloat16),
+    torch.tensor(float("inf"), dtype=torch.bfloat16),
+    torch.tensor(65504.0, dtype=torch.float16),
+    torch.tensor(1 / 3, dtype=torch.float32),
+    torch.tensor(1 / 3, dtype=torch.float64),
+    torch.tensor(2**40 + 1, dtype=torch.int64),
+    torch.tensor(-7, dtype=torch.int8),
+    torch.tensor(True),
+    torch.arange(5.0, dtype=torch.bfloat16)[3],  # a view at an offset into a larger storage
+]
+
+
+def test_item_reads_scalars_exactly_without_torch(tmp_path: Path) -> None:
+    path = tmp_path / "scalars.pt"
+    torch.save(SCALAR_VALUES, path)
+    with open_torch_file(path) as handle:
+        for ref, tensor in zip(handle.obj, SCALAR_VALUES, strict=True):
+            value = ref.item()
+            assert type(value) is type(tensor.item()), tensor
+            assert str(value) == str(tensor.item()), tensor  # -0.0 and inf too
+            assert ref.dtype_name == str(tensor.dtype).removeprefix("torch."), tensor
+
+
+def test_reading_a_checkpoint_does_not_import_torch(tmp_path: Path) -> None:
+    """Conversion start-up and memory stay low: the source reader never needs torch itself."""
+    path = tmp_path / "state.pt"
+    torch.save({"flat": torch.arange(6.0).to(torch.bfloat16), "step": torch.tensor(2.0)}, path)
+    script = (
+        "import sys\n"
+        "from ucformat.sources.torchfile import open_torch_file\n"
+        f"with open_torch_file(__import__('pathlib').Path({str(path)!r})) as handle:\n"
+        "    out = __import__('numpy').empty(6, dtype='uint16')\n"
+        "    handle.obj['flat'].read_into(out, 0, 6)\n"
+        "    print(handle.obj['step'].item(), out.tolist())\n"
+        "assert 'torch' not in sys.modules\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    bits = torch.arange(6.0).to(torch.bfloat16).view(torch.int16).to(torch.int32) & 0xFFFF
+    assert done.stdout.split(" ", 1) == ["2.0", f"{bits.tolist()}\n"]
 
 
 def test_truncated_file_is_reported(tmp_path: Path) -> None:

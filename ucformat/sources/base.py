@@ -7,10 +7,9 @@ it. No tensor bytes are read here; the converter's planner and writer do that.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 from typing import Any
-
-import torch
 
 from ucformat.dtypes import dtype_name
 from ucformat.models import (
@@ -109,8 +108,8 @@ def scalar_state(value: Any, where: str) -> ScalarState:
     if isinstance(value, float):
         return ScalarState(kind="float", value=value)
     if isinstance(value, TensorRef) and value.numel == 1 and not value.shape:
-        tensor = value.load()
-        return ScalarState(kind="tensor", value=tensor.item(), dtype=dtype_name(tensor.dtype))
-    if isinstance(value, torch.Tensor) and value.dim() == 0:
+        return ScalarState(kind="tensor", value=value.item(), dtype=value.dtype_name)
+    torch = sys.modules.get("torch")  # a torch tensor exists only once torch is imported
+    if torch is not None and isinstance(value, torch.Tensor) and value.dim() == 0:
         return ScalarState(kind="tensor", value=value.item(), dtype=dtype_name(value.dtype))
     raise TypeError(f"{where}: expected a scalar optimizer state, found {describe_type(value)}")

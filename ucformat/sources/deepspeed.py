@@ -14,7 +14,6 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from ucformat.dtypes import dtype_name
 from ucformat.errors import (
     LayoutMismatchError,
     NotACheckpointError,
@@ -218,7 +217,7 @@ def _trainable_params(
         if FP32 not in arrays:
             raise LayoutMismatchError(f"param '{name}': no shard holds any of its fp32 values.")
         placeholder = module.get(name)
-        dtype = dtype_name(placeholder.dtype) if isinstance(placeholder, TensorRef) else train_dtype
+        dtype = placeholder.dtype_name if isinstance(placeholder, TensorRef) else train_dtype
         params[name] = SourceParam(
             shape=arrays[FP32].shape,
             dtype=dtype,
@@ -258,7 +257,7 @@ def _frozen_params(
             continue
         layout = PerParamLayout.build([(name, prod(dims))], world_size)
         pieces = [h.obj["frozen_param_fragments"][name] for h in models]
-        array = ArraySource(dims, dtype_name(pieces[0].dtype))
+        array = ArraySource(dims, pieces[0].dtype_name)
         for frag in layout.all_fragments():
             array.fragments.append(
                 SourceFragment(pieces[frag.rank], 0, frag.param_start, frag.length)
@@ -283,7 +282,7 @@ def _whole(
         raise LayoutMismatchError(
             f"{handle.path}: '{name}' has {value.numel} elements, expected shape {dims}."
         )
-    array = ArraySource(dims, dtype_name(value.dtype))
+    array = ArraySource(dims, value.dtype_name)
     if value.numel:
         array.fragments.append(SourceFragment(value, 0, 0, value.numel))
     return array

@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 from math import prod
 from typing import Any
 
-from ucformat.dtypes import dtype_name
 from ucformat.errors import LayoutMismatchError, NotACheckpointError
 from ucformat.layout.partition import Fragment, PartitionedFlatLayout, PerParamLayout
 from ucformat.models import ScalarState
@@ -79,7 +78,7 @@ def _add_fragments(
             target = per_state.get(state)
             if target is None:
                 shape = tuple(int(d) for d in shapes[frag.name])
-                target = per_state[state] = ArraySource(shape, dtype_name(tensor.dtype))
+                target = per_state[state] = ArraySource(shape, tensor.dtype_name)
             target.fragments.append(
                 SourceFragment(tensor, frag.partition_start, frag.param_start, frag.length)
             )

@@ -24,14 +24,14 @@ from __future__ import annotations
 
 import _compat_pickle
 import collections
+import importlib
 import io
 import pickle
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-import torch
-
+from ucformat.dtypes import itemsize
 from ucformat.errors import TruncatedFileError, UnsafePickleError
 
 __all__ = [
@@ -42,17 +42,18 @@ __all__ = [
     "load_pickle",
 ]
 
-_STORAGE_DTYPES: dict[str, torch.dtype] = {
-    "DoubleStorage": torch.float64,
-    "FloatStorage": torch.float32,
-    "HalfStorage": torch.float16,
-    "BFloat16Storage": torch.bfloat16,
-    "LongStorage": torch.int64,
-    "IntStorage": torch.int32,
-    "ShortStorage": torch.int16,
-    "CharStorage": torch.int8,
-    "ByteStorage": torch.uint8,
-    "BoolStorage": torch.bool,
+#: torch's storage classes, as ``torch.save`` names them, and the dtype (manifest name) of each.
+_STORAGE_DTYPES: dict[str, str] = {
+    "DoubleStorage": "float64",
+    "FloatStorage": "float32",
+    "HalfStorage": "float16",
+    "BFloat16Storage": "bfloat16",
+    "LongStorage": "int64",
+    "IntStorage": "int32",
+    "ShortStorage": "int16",
+    "CharStorage": "int8",
+    "ByteStorage": "uint8",
+    "BoolStorage": "bool",
 }
 
 #: Globals kept as inert placeholders by default: harmless data containers seen in client state.
@@ -99,13 +100,13 @@ class StorageRef:
     """A tensor storage named by a pickle: which archive entry holds its bytes."""
 
     key: str
-    dtype: torch.dtype
+    dtype_name: str  # as the manifest names dtypes: "float32", "bfloat16", ...
     numel: int
 
     @property
     def itemsize(self) -> int:
         """Bytes per element."""
-        return torch.empty((), dtype=self.dtype).element_size()
+        return itemsize(self.dtype_name)
 
 
 class StandIn:
@@ -186,8 +187,8 @@ class _TypeMarker:
 
 
 class _StorageType:
-    def __init__(self, dtype: torch.dtype) -> None:
-        self.dtype = dtype
+    def __init__(self, dtype_name: str) -> None:
+        self.dtype_name = dtype_name
 
 
 def _python3_name(module: str, name: str) -> tuple[str, str]:
@@ -251,6 +252,7 @@ def load_pickle(
             if module == "torch":
                 if name in _STORAGE_DTYPES:
                     return _StorageType(_STORAGE_DTYPES[name])
+                torch = importlib.import_module("torch")  # a pickled dtype: rare, so lazy
                 attribute = getattr(torch, name, None)
                 if isinstance(attribute, torch.dtype):
                     return attribute
@@ -275,7 +277,7 @@ def load_pickle(
             _, storage_type, key, _location, numel = pid
             if not isinstance(storage_type, _StorageType):
                 raise UnsafePickleError(f"{source}: unknown storage type {storage_type!r:.80}.")
-            return StorageRef(str(key), storage_type.dtype, int(numel))
+            return StorageRef(str(key), storage_type.dtype_name, int(numel))
 
     try:
         return _Unpickler(io.BytesIO(payload)).load()

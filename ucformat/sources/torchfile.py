@@ -19,14 +19,16 @@ import zipfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
-from ucformat.dtypes import dtype_name, numpy_storage_dtype, storage_to_torch
+from ucformat.dtypes import numpy_storage_dtype, storage_to_torch, torch_dtype
 from ucformat.errors import TruncatedFileError, UnsupportedCheckpointError
 from ucformat.sources.safe_unpickle import PicklePolicy, StorageRef, load_pickle
+
+if TYPE_CHECKING:  # reading a checkpoint needs no torch; only materialising a tensor does
+    import torch
 
 __all__ = ["TensorRef", "TorchFile", "open_torch_file"]
 
@@ -132,9 +134,14 @@ class TensorRef:
     stride: tuple[int, ...]
 
     @property
+    def dtype_name(self) -> str:
+        """The tensor's dtype as the manifest names it (``float32``, ``bfloat16``, ...)."""
+        return self.storage.dtype_name
+
+    @property
     def dtype(self) -> torch.dtype:
-        """The tensor's torch dtype."""
-        return self.storage.dtype
+        """The tensor's torch dtype (imports torch)."""
+        return torch_dtype(self.storage.dtype_name)
 
     @property
     def numel(self) -> int:
@@ -192,9 +199,28 @@ class TensorRef:
             )
         self.file.read_bytes_scattered(self.storage.key, (self.offset + start) * item, views)
 
+    def item(self) -> bool | int | float:
+        """The value of a one-element tensor as a Python scalar, exactly as ``Tensor.item()``
+        gives it, without torch.
+
+        Raises:
+            ValueError: the tensor does not have exactly one element.
+        """
+        if self.numel != 1:
+            raise ValueError(f"{self.file.path}: item() of a tensor of {self.numel} elements.")
+        name = self.dtype_name
+        value = np.empty(1, dtype=numpy_storage_dtype(name))
+        self.file.read_bytes(self.storage.key, self.offset * self.storage.itemsize,
+                             memoryview(value).cast("B"))  # fmt: skip
+        if name == "bfloat16":  # the upper half of a float32: widen the bits, exactly
+            return float((value.astype(np.uint32) << 16).view(np.float32)[0])
+        return value.item()  # type: ignore[no-any-return]
+
     def load(self) -> torch.Tensor:
         """Read the whole tensor into memory (for small tensors: buffers, scalars, metadata)."""
-        name = dtype_name(self.dtype)
+        import torch
+
+        name = self.dtype_name
         if self.numel == 0:
             return torch.empty(self.shape, dtype=self.dtype)
         if self.is_contiguous():
