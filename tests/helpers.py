@@ -27,6 +27,21 @@ def array_ref(path: str, shape: list[int], dtype: str = "float32") -> ArrayRef:
     )
 
 
+def source_info(**overrides: object) -> SourceInfo:
+    """A valid :class:`SourceInfo` (ZeRO-1, world size 2, bf16) with ``overrides`` applied."""
+    fields: dict[str, object] = {
+        "framework_version": "0.19.8",
+        "path": "/x",
+        "tag": "t",
+        "zero_stage": 1,
+        "world_size": 2,
+        "train_dtype": "bfloat16",
+        "optimizer_wrapper": "DeepSpeedZeroOptimizer",
+        "files": [],
+    }
+    return SourceInfo.model_validate({**fields, **overrides})
+
+
 def tiny_manifest() -> CheckpointManifest:
     """A valid two-param manifest with one tied alias."""
     params = {
@@ -42,16 +57,7 @@ def tiny_manifest() -> CheckpointManifest:
     }
     return CheckpointManifest(
         created_by="tests",
-        source=SourceInfo(
-            framework_version="0.19.8",
-            path="/x",
-            tag="t",
-            zero_stage=1,
-            world_size=2,
-            train_dtype="bfloat16",
-            optimizer_wrapper="DeepSpeedZeroOptimizer",
-            files=[],
-        ),
+        source=source_info(),
         params=params,
         tied={"lm_head.weight": "emb.weight"},
         optimizer=OptimizerInfo(

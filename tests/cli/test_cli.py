@@ -18,11 +18,10 @@ import jsonschema
 import pytest
 import torch
 import zarr
-from typer.testing import CliRunner, Result
-from ucformat_cli.main import app
 from zarr.storage import LocalStore
 
 import ucformat
+from tests.cli.helpers import assert_user_error, heavy_imports, invoke
 from tests.hostile import (
     ATTACK_NAMES,
     EXPECTED_GLOBAL,
@@ -39,27 +38,12 @@ ZERO1 = DATA / "z1-bf16-dsadam-simple-ws2" / "ckpt"  # world size 2, bf16_ optim
 STEP = "global_step4"
 
 
-def invoke(*args: object) -> Result:
-    return CliRunner().invoke(app, [str(arg) for arg in args])
-
-
 def snapshot(root: Path) -> dict[str, tuple[int, int]]:
     """Every file under ``root`` (or ``root`` itself) with its size and mtime."""
     if not root.exists():
         return {}
     files = [root] if root.is_file() else sorted(p for p in root.rglob("*") if p.is_file())
     return {str(p): (p.stat().st_size, p.stat().st_mtime_ns) for p in files}
-
-
-def assert_user_error(result: Result, *fragments: str) -> str:
-    """Exit code 2, nothing on stdout, one ``error:`` line on stderr holding ``fragments``."""
-    assert result.exit_code == 2, (result.exit_code, result.stdout, result.stderr)
-    assert result.stdout == ""
-    lines = result.stderr.splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), lines
-    for fragment in fragments:
-        assert fragment in lines[0], (fragment, lines[0])
-    return lines[0]
 
 
 @pytest.fixture(scope="module")
@@ -163,38 +147,17 @@ def test_inspect_of_a_store_url_reads_only_the_manifest(
 @pytest.mark.parametrize("source", [ZERO1, ZERO2], ids=["zero1-bf16", "zero2-fp32"])
 def test_convert_does_not_import_torch(source: Path, tmp_path: Path) -> None:
     """Conversion reads torch files with its own reader: no torch start-up, no torch memory."""
-    script = (
-        "import sys\n"
-        "from ucformat_cli.main import app\n"
-        f"try:\n    app(['convert', {str(source)!r}, {str(tmp_path / 'out.ucf')!r}, '-q'])\n"
-        "except SystemExit as exit:\n    assert exit.code in (0, None), exit.code\n"
-        "print('imported:', sorted(m for m in ('torch', 'deepspeed') if m in sys.modules),\n"
-        "      file=sys.stderr)\n"
-    )
-    done = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=False
-    )
-    assert done.returncode == 0, done.stderr
-    assert done.stderr.splitlines()[-1] == "imported: []"
-    assert ucformat.verify(tmp_path / "out.ucf", against=source).ok
+    out = tmp_path / "out.ucf"
+    _, imported = heavy_imports("convert", source, out, "-q", watch=("torch", "deepspeed"))
+    assert imported == []
+    assert ucformat.verify(out, against=source).ok
 
 
 def test_inspect_imports_neither_torch_nor_zarr(store: Path) -> None:
     """What keeps ``ucformat inspect`` instant: it never imports torch, zarr or DeepSpeed."""
-    script = (
-        "import sys\n"
-        "from ucformat_cli.main import app\n"
-        f"try:\n    app(['inspect', {str(store)!r}])\n"
-        "except SystemExit as exit:\n    assert exit.code in (0, None), exit.code\n"
-        "heavy = sorted(m for m in ('torch', 'zarr', 'deepspeed') if m in sys.modules)\n"
-        "print('imported:', heavy, file=sys.stderr)\n"
-    )
-    done = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=False
-    )
-    assert done.returncode == 0, done.stderr
-    assert "params: 7 (293 elements)" in done.stdout
-    assert done.stderr.splitlines()[-1] == "imported: []"
+    stdout, imported = heavy_imports("inspect", store, watch=("torch", "zarr", "deepspeed"))
+    assert "params: 7 (293 elements)" in stdout
+    assert imported == []
 
 
 def test_verify_ok(store: Path) -> None:

@@ -8,28 +8,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from typer.testing import CliRunner, Result
-from ucformat_cli.main import app
 
 import ucformat
+from tests.cli.helpers import assert_user_error, invoke
 
 DATA = Path(__file__).resolve().parents[1] / "fixtures" / "data"
 SOURCE = DATA / "z2-fp32-dsadam-ftb-ws3" / "ckpt"
-
-
-def invoke(*args: object) -> Result:
-    return CliRunner().invoke(app, [str(arg) for arg in args])
-
-
-def assert_user_error(result: Result, *fragments: str) -> str:
-    """Exit code 2, nothing on stdout, one ``error:`` line on stderr holding ``fragments``."""
-    assert result.exit_code == 2, (result.exit_code, result.stdout, result.stderr)
-    assert result.stdout == ""
-    lines = result.stderr.splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), lines
-    for fragment in fragments:
-        assert fragment in lines[0], (fragment, lines[0])
-    return lines[0]
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from tests.helpers import array_ref
+from tests.helpers import array_ref, source_info
 from ucformat.errors import UnsupportedExportError
 from ucformat.export._common import parse_dtype, parse_size
 from ucformat.export._native_target import (
@@ -30,7 +30,6 @@ from ucformat.models import (
     OptimizerInfo,
     ParamEntry,
     ScalarState,
-    SourceInfo,
 )
 
 #: The ``multi`` fixture model's two param groups (reference §4.4, example B).
@@ -75,15 +74,11 @@ def make_manifest(
     )
     return CheckpointManifest(
         created_by="tests",
-        source=SourceInfo(
-            framework_version="0.19.8",
-            path="/x",
+        source=source_info(
             tag="global_step4",
             zero_stage=2,
-            world_size=2,
             train_dtype=dtype,
             optimizer_wrapper=ZERO_OPTIMIZER,
-            files=[],
             ds_config=ds_config if ds_config is not None else {"zero_optimization": {"stage": 2}},
         ),
         params=params,

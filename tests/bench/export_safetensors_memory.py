@@ -11,7 +11,7 @@ memory above the process's baseline (imports done, store opened):
 
 Usage::
 
-    python benchmarks/export_safetensors_memory.py --gib 1 --work /tmp/ucf_bench
+    python -m tests.bench.export_safetensors_memory --gib 1 --work /tmp/ucf_bench
 """
 
 from __future__ import annotations
@@ -33,9 +33,10 @@ def build_store(path: Path, params: int, numel: int) -> None:
     """A committed store of ``params`` fp32 parameters of ``numel`` elements each."""
     import zarr
 
+    from tests.helpers import source_info
     from ucformat.layout.chunking import ChunkPolicy, choose_chunking
     from ucformat.manifest_io import commit_manifest
-    from ucformat.models import ArrayRef, CheckpointManifest, ParamEntry, SourceInfo
+    from ucformat.models import ArrayRef, CheckpointManifest, ParamEntry
     from ucformat.spec import FORMAT_NAME, FORMAT_VERSION, MANIFEST_KEY, state_array_path
     from ucformat.zarr_io import create_array, open_store
 
@@ -63,15 +64,13 @@ def build_store(path: Path, params: int, numel: int) -> None:
         )
     manifest = CheckpointManifest(
         created_by="benchmark",
-        source=SourceInfo(
+        source=source_info(
             framework_version="0",
             path="synthetic",
             tag="bench",
-            zero_stage=1,
             world_size=1,
             train_dtype="float32",
             optimizer_wrapper="none",
-            files=[],
         ),
         params=entries,
     )
@@ -115,8 +114,10 @@ def main() -> int:
     model_mib = args.params * numel * 4 / MIB
     print(f"model: {args.params} x {numel} fp32 = {model_mib:.0f} MiB; piece {args.piece_mib} MiB")
     for mode in ("export", "read-all"):
-        command = [sys.executable, __file__, "--work", str(args.work),
-                   "--piece-mib", str(args.piece_mib), "--child", mode, str(store)]  # fmt: skip
+        command = [
+            sys.executable, "-m", "tests.bench.export_safetensors_memory", "--work",
+            str(args.work), "--piece-mib", str(args.piece_mib), "--child", mode, str(store),
+        ]  # fmt: skip
         result = json.loads(subprocess.run(command, check=True, capture_output=True).stdout)
         extra = result["peak_mib"] - result["baseline_mib"]
         print(f"{mode:9s} peak above baseline {extra:7.0f} MiB ({extra / model_mib:.2f} x model), "
