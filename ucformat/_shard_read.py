@@ -24,19 +24,27 @@ chunk (docs/format.md §7). ``out`` may then hold garbage, never data the caller
 
 from __future__ import annotations
 
+import mmap
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import crc32c
 import numpy as np
 from zarr.abc.store import Store
 
 from ucformat.dtypes import itemsize
-from ucformat.layout.shards import ABSENT, CRC_BYTES, ChunkSlot, shard_layout, shards_in_range
+from ucformat.layout.shards import (
+    ABSENT,
+    CRC_BYTES,
+    ChunkSlot,
+    ShardLayout,
+    shard_layout,
+    shards_in_range,
+)
 from ucformat.models import ArrayRef
 from ucformat.zarr_io import CheckedStore, fetch_bytes, local_file
 
-__all__ = ["read_flat_range"]
+__all__ = ["check_flat_range", "read_flat_range"]
 
 ShardKey = Callable[[tuple[int, ...]], str]
 #: Most buffers one ``preadv`` call takes (Linux ``IOV_MAX``).
@@ -51,41 +59,112 @@ def read_flat_range(
     Returns False if the store's bytes do not check out.
     """
     item = itemsize(ref.dtype)
-    if ref.compressor != "none" or not ref.shape or start >= stop or out.itemsize != item:
+    if out.itemsize != item or out.size != stop - start:
         return False
     target = out.data.cast("B")
     copied = 0
-    for shard in shards_in_range(ref.shape, ref.shard_shape, start, stop):
-        try:
-            layout = shard_layout(ref.shape, ref.chunk_shape, ref.shard_shape, item, shard)
-        except ValueError:
+    for shard in _shard_runs(store, ref, shard_key, start, stop):
+        if shard is None:
             return False
-        key = shard_key(shard)
-        entries = _index(store, key, layout.chunks_per_shard, layout.index_nbytes)
-        if entries is None:
-            return False
-        stored = layout.chunk_nbytes + CRC_BYTES
-        wanted: list[tuple[int, ChunkSlot]] = []
-        for slot in layout.slots:
-            if slot.flat_start < stop and slot.flat_start + slot.length > start:
-                offset, nbytes = (int(v) for v in entries[slot.local])
-                if offset == ABSENT or nbytes != stored:
-                    return False
-                wanted.append((offset, slot))
-        wanted.sort(key=lambda pair: pair[0])
+        key, layout, runs = shard
         path = local_file(store, key)
-        first = 0
-        while first < len(wanted):
-            last = first
-            while last + 1 < len(wanted) and wanted[last + 1][0] == wanted[last][0] + stored:
-                last += 1
-            run = _Run(wanted[first : last + 1], layout.chunk_nbytes, item, start, stop, target)
+        for chunks in runs:
+            run = _Run(chunks, layout.chunk_nbytes, item, start, stop, target)
             ok = run.read_local(path, store) if path is not None else run.read_store(store, key)
             if not ok:
                 return False
             copied += run.elements
-            first = last + 1
     return copied == stop - start
+
+
+def check_flat_range(
+    store: Store, ref: ArrayRef, shard_key: ShardKey, start: int, stop: int
+) -> bool:
+    """Whether every chunk holding flat elements ``[start, stop)`` is present and passes its
+    crc32c, checked in place through a read-only memory map of each (local) shard file.
+
+    Nothing is copied and nothing is counted as read: the loader calls this on every range
+    before it writes anything, then reads the ranges (:func:`read_flat_range`) straight into
+    their destinations. False for anything that does not check out, and for stores that are not
+    local directories (those are read into staging buffers instead).
+    """
+    for shard in _shard_runs(store, ref, shard_key, start, stop):
+        path = local_file(store, shard[0]) if shard is not None else None
+        if shard is None or path is None:
+            return False
+        _, layout, runs = shard
+        try:
+            with open(path, "rb") as file:
+                for chunks in runs:
+                    if not _check_run(file.fileno(), chunks, layout.chunk_nbytes):
+                        return False
+        except (OSError, ValueError):  # missing or unreadable file, or shorter than its index says
+            return False
+    return True
+
+
+_Chunks = list[tuple[int, ChunkSlot]]
+#: Map pages in one go: the checksums then read them without a page fault each.
+_MAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+
+
+def _check_run(fd: int, chunks: _Chunks, chunk_nbytes: int) -> bool:
+    """Check the crc32c of chunks stored back to back, through a read-only map of their bytes."""
+    begin = chunks[0][0] - chunks[0][0] % mmap.ALLOCATIONGRANULARITY
+    end = chunks[-1][0] + chunk_nbytes + CRC_BYTES
+    with (
+        mmap.mmap(fd, end - begin, flags=_MAP_FLAGS, prot=mmap.PROT_READ, offset=begin) as data,
+        memoryview(data) as view,
+    ):
+        for offset, _ in chunks:
+            at = offset - begin
+            with (
+                view[at : at + chunk_nbytes] as chunk,
+                view[at + chunk_nbytes : at + chunk_nbytes + CRC_BYTES] as checksum,
+            ):
+                if not _crc_ok(chunk, checksum):
+                    return False
+    return True
+
+
+def _shard_runs(
+    store: Store, ref: ArrayRef, shard_key: ShardKey, start: int, stop: int
+) -> Iterator[tuple[str, ShardLayout, list[_Chunks]] | None]:
+    """Per shard holding part of ``[start, stop)``: its key, layout, and the wanted chunks as
+    runs stored back to back (``(offset, slot)`` pairs); a last None where the shard's index
+    (or the array's layout) does not check out."""
+    item = itemsize(ref.dtype)
+    if ref.compressor != "none" or not ref.shape or start >= stop:
+        yield None
+        return
+    for shard in shards_in_range(ref.shape, ref.shard_shape, start, stop):
+        try:
+            layout = shard_layout(ref.shape, ref.chunk_shape, ref.shard_shape, item, shard)
+        except ValueError:
+            yield None
+            return
+        key = shard_key(shard)
+        entries = _index(store, key, layout.chunks_per_shard, layout.index_nbytes)
+        stored = layout.chunk_nbytes + CRC_BYTES
+        wanted: _Chunks = []
+        for slot in layout.slots if entries is not None else ():
+            if slot.flat_start < stop and slot.flat_start + slot.length > start:
+                offset, nbytes = (int(v) for v in entries[slot.local])  # type: ignore[index]
+                if offset == ABSENT or nbytes != stored:
+                    entries = None
+                    break
+                wanted.append((offset, slot))
+        if entries is None:
+            yield None
+            return
+        wanted.sort(key=lambda pair: pair[0])
+        runs: list[_Chunks] = []
+        for pair in wanted:
+            if runs and pair[0] == runs[-1][-1][0] + stored:
+                runs[-1].append(pair)
+            else:
+                runs.append([pair])
+        yield key, layout, runs
 
 
 class _Run:

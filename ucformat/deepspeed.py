@@ -25,9 +25,17 @@ from typing import Any
 
 import torch
 
-from ucformat.errors import ModelMismatchError
+from ucformat.errors import LoadAbortedError, ModelMismatchError, UCFormatError
+from ucformat.layout.partition import Fragment
 from ucformat.loaders.deepspeed_engine import EngineView, describe_engine
-from ucformat.loaders.partitions import ReadTally, rank_fragments, read_flat_state
+from ucformat.loaders.partitions import (
+    FlatTarget,
+    ReadTally,
+    can_fill_in_place,
+    fill_flat_state,
+    rank_fragments,
+    read_flat_state,
+)
 from ucformat.models import CheckpointManifest
 from ucformat.pyvalue import decode
 from ucformat.reader import BUFFER_STATE, UniversalCheckpoint, open_checkpoint, scalar_value
@@ -49,6 +57,11 @@ class LoadReport:
     bytes_needed: int = 0
     seconds: float = 0.0
     client_state: dict[str, Any] = field(default_factory=dict)
+    #: True when the fp32 partitions were checked in place, then read straight into the
+    #: engine's tensors (optimizer states too, where the optimizer already holds them); False
+    #: when they went through new tensors (docs/loading.md, "How a rank reads only its
+    #: partition").
+    read_in_place: bool = False
 
     @property
     def read_amplification(self) -> float:
@@ -101,34 +114,35 @@ def load(
     state_keys = (
         manifest.optimizer.state_keys if (load_optimizer_states and manifest.optimizer) else []
     )
-    fp32_parts: list[torch.Tensor] = []
-    optim_parts: list[dict[str, torch.Tensor]] = []
-    for target, live in zip(view.targets, view.fp32, strict=True):
-        fragments = rank_fragments(target, (n for n in target.names if _has(manifest, n)))
-        fp32_parts.append(
-            read_flat_state(ckpt, target, fragments, FP32_STATE, tally, torch.float32, base=live)
-        )
-        with_state = [f for f in fragments if _has_states(manifest, f.name, state_keys)]
-        optim_parts.append(
-            {key: read_flat_state(ckpt, target, with_state, key, tally) for key in state_keys}
-        )
-    frozen_values = {
-        name: _read_frozen(ckpt, view, name, param, tally)
-        for name, param in frozen.items()
-        if _has(manifest, name)
-    }
-    buffer_values = {
-        name: ckpt.read(name, BUFFER_STATE) for name in buffers if name in manifest.buffers
-    }
-    tally.bytes_needed += sum(v.numel() * v.element_size() for v in buffer_values.values())
+
+    def read_everything() -> tuple[list[_FlatRead], dict[str, torch.Tensor], dict[str, Any]]:
+        parts = _read_partitions(ckpt, view, state_keys, tally)
+        frozen_values = {
+            name: _read_frozen(ckpt, view, name, param, tally)
+            for name, param in frozen.items()
+            if _has(manifest, name)
+        }
+        buffer_values = {
+            name: ckpt.read(name, BUFFER_STATE) for name in buffers if name in manifest.buffers
+        }
+        tally.bytes_needed += sum(v.numel() * v.element_size() for v in buffer_values.values())
+        return parts, frozen_values, buffer_values
+
+    failure: UCFormatError | OSError | None = None
+    try:
+        parts, frozen_values, buffer_values = read_everything()
+    except (UCFormatError, OSError) as exc:
+        failure = exc
+    _all_ranks_ready(failure, ckpt.where)  # a rank that cannot read makes every rank stop here
+    report.read_in_place = all(part.fp32 is None for part in parts)
 
     # --- nothing above modified the engine; from here on, write ------------------------------
     with torch.no_grad():
-        for live, value in zip(view.fp32, fp32_parts, strict=True):
-            live.data.copy_(value.to(live.dtype))
+        for part in parts:
+            part.write(ckpt, tally)
         report.restored.append("fp32 master weights")
         if state_keys:
-            _restore_optimizer(view, manifest, optim_parts, report)
+            _restore_optimizer(view, manifest, [part.states for part in parts], report)
         for name, value in frozen_values.items():
             _write_frozen(view, frozen[name], value)
         for name, value in buffer_values.items():
@@ -145,6 +159,102 @@ def load(
     report.bytes_needed = tally.bytes_needed
     report.seconds = time.perf_counter() - started
     return report
+
+
+def _all_ranks_ready(failure: UCFormatError | OSError | None, where: str) -> None:
+    """Agree across ranks, before anything is written, that every rank read its part.
+
+    Raises ``failure`` on the rank that failed, and :class:`LoadAbortedError` on the others, so
+    that no rank goes on into the engine's collectives alone (and hangs there).
+    """
+    import torch.distributed as dist
+
+    others_failed = False
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        device: Any = "cpu"
+        if dist.get_backend() != "gloo":
+            from deepspeed.accelerator import get_accelerator
+
+            device = get_accelerator().current_device_name()
+        ready = torch.tensor([0 if failure else 1], dtype=torch.int32, device=device)
+        dist.all_reduce(ready, op=dist.ReduceOp.MIN)
+        others_failed = int(ready.item()) == 0
+    if failure is not None:
+        raise failure
+    if others_failed:
+        raise LoadAbortedError(
+            f"{where}: another rank could not read its part of the checkpoint (its error says "
+            "why); nothing was loaded on this rank."
+        )
+
+
+@dataclass
+class _FlatRead:
+    """One flat partition of this rank: what is read straight into the engine, what was staged.
+
+    Attributes:
+        fp32: the fp32 values read into a new tensor, or None when they go straight into
+            ``live`` (checked in place already; read by :meth:`write`).
+        states: the optimizer state tensors the optimizer gets: new tensors already read, or
+            its own tensors, filled by :meth:`write` (their keys in ``in_place``).
+    """
+
+    target: FlatTarget
+    live: torch.Tensor
+    fragments: list[Fragment]
+    with_state: list[Fragment]
+    fp32: torch.Tensor | None = None
+    states: dict[str, torch.Tensor] = field(default_factory=dict)
+    in_place: list[str] = field(default_factory=list)
+
+    def write(self, ckpt: UniversalCheckpoint, tally: ReadTally) -> None:
+        """Put the values into the engine's tensors."""
+        if self.fp32 is None:
+            fill_flat_state(
+                ckpt, self.target, self.fragments, FP32_STATE, tally, self.live, keep_gaps=True
+            )
+        else:
+            self.live.data.copy_(self.fp32.to(self.live.dtype))
+        for key in self.in_place:
+            fill_flat_state(
+                ckpt, self.target, self.with_state, key, tally, self.states[key], keep_gaps=False
+            )
+
+
+def _read_partitions(
+    ckpt: UniversalCheckpoint, view: EngineView, state_keys: list[str], tally: ReadTally
+) -> list[_FlatRead]:
+    """Check, or read into new tensors, everything of the rank's flat partitions (no writes).
+
+    A state goes straight into the engine's tensor when :func:`can_fill_in_place` vouches for it
+    (local uncompressed store, every chunk of its ranges present and checksummed in place, a CPU
+    destination of the stored dtype); anything else is read into a new tensor now.
+    """
+    manifest = ckpt.manifest
+    parts: list[_FlatRead] = []
+    for target, live in zip(view.targets, view.fp32, strict=True):
+        fragments = rank_fragments(target, (n for n in target.names if _has(manifest, n)))
+        with_state = [f for f in fragments if _has_states(manifest, f.name, state_keys)]
+        part = _FlatRead(target, live, fragments, with_state)
+        if not can_fill_in_place(ckpt, target, fragments, FP32_STATE, live):
+            part.fp32 = read_flat_state(
+                ckpt, target, fragments, FP32_STATE, tally, torch.float32, base=live
+            )
+        existing = _live_states(view, target.index, state_keys)
+        for key in state_keys:
+            if can_fill_in_place(ckpt, target, with_state, key, existing.get(key)):
+                part.states[key] = existing[key]
+                part.in_place.append(key)
+            else:
+                part.states[key] = read_flat_state(ckpt, target, with_state, key, tally)
+        parts.append(part)
+    return parts
+
+
+def _live_states(view: EngineView, index: int, keys: list[str]) -> dict[str, torch.Tensor]:
+    """The optimizer's existing state tensors of flat group ``index`` (those it has)."""
+    state = view.base_optimizer.state.get(view.state_key(index), {})
+    return {key: state[key] for key in keys if isinstance(state.get(key), torch.Tensor)}
 
 
 def _has(manifest: CheckpointManifest, name: str) -> bool:

@@ -17,6 +17,7 @@ __all__ = [
     "IncompleteStoreError",
     "LayoutMismatchError",
     "ManifestError",
+    "LoadAbortedError",
     "ModelMismatchError",
     "NotACheckpointError",
     "NotAStoreError",
@@ -112,6 +113,10 @@ class ChunkMissingError(UCFormatError, FileNotFoundError):
 
 class CorruptDataError(UCFormatError):
     """Stored bytes fail their checksum or cannot be decoded."""
+
+
+class LoadAbortedError(UCFormatError):
+    """Another rank of a distributed load failed; this rank loaded nothing either."""
 
 
 class ModelMismatchError(UCFormatError):

@@ -19,7 +19,7 @@ import torch
 import zarr
 from zarr.abc.store import Store
 
-from ucformat._shard_read import read_flat_range
+from ucformat._shard_read import check_flat_range, read_flat_range
 from ucformat.dtypes import numpy_storage_dtype, storage_to_torch, torch_dtype
 from ucformat.errors import ParamNotFoundError
 from ucformat.layout.chunking import chunk_aligned_range
@@ -162,6 +162,20 @@ class UniversalCheckpoint:
         if state == FP32_STATE and tensor.dtype != torch.float32:
             tensor = tensor.to(torch.float32)
         return tensor
+
+    def check_range(self, ref: ArrayRef, start: int, stop: int) -> bool:
+        """Whether flat elements ``[start, stop)`` of ``ref`` can be read in place and every
+        chunk holding them passes its checksum (local uncompressed stores; no bytes copied).
+
+        False means "read through a staging buffer instead", not necessarily damage.
+
+        Raises:
+            ChunkMissingError: a shard object holding part of the range is missing.
+        """
+        if start >= stop:
+            return True
+        array = self._array(ref)
+        return check_flat_range(self.store, ref, lambda s: chunk_key(array, s), start, stop)
 
     def read_range_into(self, ref: ArrayRef, start: int, stop: int, out: np.ndarray) -> None:
         """Fill ``out`` (storage dtype, length ``stop - start``) with flat elements of ``ref``."""

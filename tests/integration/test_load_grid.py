@@ -71,5 +71,6 @@ def test_ranks_read_only_their_partitions(name: str, ds_loads: dict[str, dict[st
 
 @pytest.mark.parametrize("name", [load.name for load in MISMATCHES])
 def test_mismatched_model(name: str, ds_loads: dict[str, dict[str, Any]]) -> None:
-    """Strict loads of another model fail with one line and leave the engine untouched."""
+    """Strict loads of another model, and loads from a store with damaged chunks, fail with one
+    line and leave the engine untouched."""
     _check(ds_loads, name)

@@ -2,8 +2,14 @@
 
 A loader describes what the rank holds as :class:`FlatTarget` objects (one flat buffer per
 optimizer group or sub-group, laid out by :mod:`ucformat.layout.partition`); this module turns
-them into reads of exactly the flat ranges the rank owns and returns freshly filled tensors.
-Nothing of the caller's state is touched here, so a failed read leaves the model as it was.
+them into reads of exactly the flat ranges the rank owns. Two ways:
+
+* :func:`read_flat_state` returns freshly filled tensors; nothing of the caller's state is
+  touched, so a failed read leaves the model as it was;
+* :func:`can_fill_in_place` checks, before anything is written, that every range is there and
+  passes its checksum and that the destination tensor can take the bytes directly; then
+  :func:`fill_flat_state` reads the ranges straight into the caller's tensors (no staging
+  memory, no second copy).
 """
 
 from __future__ import annotations
@@ -14,12 +20,19 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ucformat.dtypes import itemsize, numpy_storage_dtype, storage_to_torch
+from ucformat.dtypes import itemsize, numpy_storage_dtype, storage_to_torch, torch_dtype
 from ucformat.layout.partition import Fragment, PartitionedFlatLayout, PerParamLayout
 from ucformat.reader import UniversalCheckpoint
 from ucformat.spec import FP32_STATE
 
-__all__ = ["FlatTarget", "ReadTally", "read_flat_state", "rank_fragments"]
+__all__ = [
+    "FlatTarget",
+    "ReadTally",
+    "can_fill_in_place",
+    "fill_flat_state",
+    "rank_fragments",
+    "read_flat_state",
+]
 
 
 @dataclass(frozen=True)
@@ -110,6 +123,61 @@ def read_flat_state(
     if dtype is not None and tensor.dtype != dtype:
         tensor = tensor.to(dtype)
     return tensor
+
+
+def can_fill_in_place(
+    ckpt: UniversalCheckpoint,
+    target: FlatTarget,
+    fragments: Sequence[Fragment],
+    state: str,
+    dest: torch.Tensor | None,
+) -> bool:
+    """Whether :func:`fill_flat_state` can read ``state`` straight into ``dest``: a contiguous
+    CPU tensor of ``target.numel`` elements in the stored dtype, and every range the rank reads
+    present and passing its checksum (checked here, in place; nothing is copied or written)."""
+    if dest is None or dest.device.type != "cpu" or not dest.is_contiguous():
+        return False
+    if dest.numel() != target.numel:
+        return False
+    refs = [(f, ckpt.array_ref(f.name, state)) for f in fragments]
+    expected = torch_dtype(refs[0][1].dtype) if refs else dest.dtype
+    if dest.dtype != expected or any(torch_dtype(ref.dtype) != expected for _, ref in refs):
+        return False
+    return all(ckpt.check_range(ref, f.param_start, f.param_stop) for f, ref in refs)
+
+
+def fill_flat_state(
+    ckpt: UniversalCheckpoint,
+    target: FlatTarget,
+    fragments: Sequence[Fragment],
+    state: str,
+    tally: ReadTally,
+    dest: torch.Tensor,
+    *,
+    keep_gaps: bool,
+) -> None:
+    """Read ``state`` into ``dest`` in place (after :func:`can_fill_in_place` said yes).
+
+    Elements outside the fragments keep their values if ``keep_gaps`` (the live fp32 weights),
+    else become zero (optimizer states, as :func:`read_flat_state` gives them).
+    """
+    out = dest.detach().numpy() if dest.dtype != torch.bfloat16 else None
+    if out is None:  # bfloat16: its bits, as the store holds them
+        out = dest.detach().view(torch.int16).numpy().view(np.uint16)
+    if not keep_gaps:
+        gap = 0
+        for low, high in sorted(
+            (f.partition_start, f.partition_start + f.length) for f in fragments
+        ):
+            _fill(out, gap, low, None)
+            gap = high
+        _fill(out, gap, target.numel, None)
+    for fragment in fragments:
+        ref = ckpt.array_ref(fragment.name, state)
+        window = out[fragment.partition_start : fragment.partition_start + fragment.length]
+        ckpt.read_range_into(ref, fragment.param_start, fragment.param_stop, window)
+        tally.bytes_needed += fragment.length * itemsize(ref.dtype)
+        tally.arrays.add(ref.path)
 
 
 def _fill(out: np.ndarray, start: int, stop: int, filler: np.ndarray | None) -> None:
