@@ -11,6 +11,7 @@ and every byte is counted in :attr:`UniversalCheckpoint.stats`.
 
 from __future__ import annotations
 
+import functools
 import threading
 from typing import Any
 
@@ -19,6 +20,7 @@ import torch
 import zarr
 from zarr.abc.store import Store
 
+from ucformat._memory import prefaulted_empty
 from ucformat._shard_read import check_flat_range, read_flat_range
 from ucformat.dtypes import numpy_storage_dtype, storage_to_torch, torch_dtype
 from ucformat.errors import ParamNotFoundError
@@ -26,13 +28,12 @@ from ucformat.layout.chunking import chunk_aligned_range
 from ucformat.layout.ranges import flat_range_to_boxes
 from ucformat.manifest_io import read_manifest
 from ucformat.models import ArrayRef, CheckpointManifest, ScalarState
-from ucformat.spec import FP32_STATE
+from ucformat.spec import FP32_STATE, shard_object_key
 from ucformat.zarr_io import (
     CheckedStore,
     IOStats,
     StoreLike,
     array_from_manifest,
-    chunk_key,
     open_store,
     read_box,
 )
@@ -156,7 +157,7 @@ class UniversalCheckpoint:
     def read_range(self, name: str, state: str, start: int, stop: int) -> torch.Tensor:
         """Flat elements ``[start, stop)`` of ``state`` of ``name`` as a 1-D tensor."""
         ref = self.array_ref(name, state)
-        out = np.empty(stop - start, dtype=numpy_storage_dtype(ref.dtype))
+        out = prefaulted_empty(stop - start, numpy_storage_dtype(ref.dtype))
         self.read_range_into(ref, start, stop, out)
         tensor = storage_to_torch(out, ref.dtype)
         if state == FP32_STATE and tensor.dtype != torch.float32:
@@ -174,22 +175,21 @@ class UniversalCheckpoint:
         """
         if start >= stop:
             return True
-        array = self._array(ref)
-        return check_flat_range(self.store, ref, lambda s: chunk_key(array, s), start, stop)
+        key = functools.partial(shard_object_key, ref.path)
+        return check_flat_range(self.store, ref, key, start, stop)
 
     def read_range_into(self, ref: ArrayRef, start: int, stop: int, out: np.ndarray) -> None:
         """Fill ``out`` (storage dtype, length ``stop - start``) with flat elements of ``ref``."""
         if start >= stop:
             return
-        array = self._array(ref)
+        key = functools.partial(shard_object_key, ref.path)
         if (
             out.ndim == 1
             and out.flags.c_contiguous
-            and read_flat_range(
-                self.store, ref, lambda shard: chunk_key(array, shard), start, stop, out
-            )
+            and read_flat_range(self.store, ref, key, start, stop, out)
         ):
             return  # uncompressed shards, every checksum good (else zarr reads and reports)
+        array = self._array(ref)
         low, high = chunk_aligned_range(ref.shape, ref.chunk_shape, start, stop)
         boxes = flat_range_to_boxes(ref.shape, low, high)
         if len(boxes) == 1:

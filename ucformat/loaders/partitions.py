@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from ucformat._memory import prefaulted_empty
 from ucformat.dtypes import itemsize, numpy_storage_dtype, storage_to_torch, torch_dtype
 from ucformat.layout.partition import Fragment, PartitionedFlatLayout, PerParamLayout
 from ucformat.reader import UniversalCheckpoint
@@ -96,7 +97,7 @@ def read_flat_state(
     stored_dtype = stored.pop()
     if state == FP32_STATE and stored_dtype != "float32":
         stored_dtype = "float32"
-    out = np.empty(target.numel, dtype=numpy_storage_dtype(stored_dtype))
+    out = prefaulted_empty(target.numel, numpy_storage_dtype(stored_dtype))
     filler = (
         None
         if base is None
