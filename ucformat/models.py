@@ -11,6 +11,7 @@ are kept exact with the tagged encoding of :mod:`ucformat.pyvalue`; such fields 
 
 from __future__ import annotations
 
+import math
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, JsonValue, field_validator, model_validator
@@ -94,10 +95,7 @@ class ParamEntry(_Model):
     @property
     def numel(self) -> int:
         """Number of elements."""
-        total = 1
-        for dim in self.shape:
-            total *= dim
-        return total
+        return math.prod(self.shape)
 
 
 class BufferEntry(_Model):

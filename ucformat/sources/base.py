@@ -7,6 +7,7 @@ it. No tensor bytes are read here; the converter's planner and writer do that.
 
 from __future__ import annotations
 
+import math
 import sys
 from dataclasses import dataclass, field
 from typing import Any
@@ -52,10 +53,7 @@ class ArraySource:
     @property
     def numel(self) -> int:
         """Number of elements."""
-        total = 1
-        for dim in self.shape:
-            total *= dim
-        return total
+        return math.prod(self.shape)
 
 
 @dataclass

@@ -13,6 +13,7 @@ exactly when it is copied to its destination.
 
 from __future__ import annotations
 
+import math
 import os
 import struct
 import zipfile
@@ -146,10 +147,7 @@ class TensorRef:
     @property
     def numel(self) -> int:
         """Number of elements."""
-        total = 1
-        for dim in self.shape:
-            total *= dim
-        return total
+        return math.prod(self.shape)
 
     def is_contiguous(self) -> bool:
         """Whether the elements are one row-major run of the storage."""
