@@ -95,7 +95,9 @@ def load(
 
     Raises:
         ModelMismatchError: the models differ and ``strict`` is set.
-        UCFormatError: the store is incomplete, corrupt or unsupported.
+        UCFormatError: the store is incomplete, corrupt or unsupported (on the rank that met
+            the problem; nothing was written on any rank).
+        LoadAbortedError: another rank could not read its part; nothing was written here.
     """
     started = time.perf_counter()
     ckpt = store if isinstance(store, UniversalCheckpoint) else open_checkpoint(store)
