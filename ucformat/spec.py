@@ -41,7 +41,7 @@ def shard_object_key(array_path: str, coords: tuple[int, ...]) -> str:
     """The store key of the object holding shard ``coords`` of the array at ``array_path``.
 
     Every ucformat array declares zarr v3's ``default`` chunk key encoding with separator ``/``
-    (docs/format.md §2), so the key is ``<path>/c/<i>/<j>...`` (``<path>/c`` for a 0-d array);
+    (docs/format.md §2.1), so the key is ``<path>/c/<i>/<j>...`` (``<path>/c`` for a 0-d array);
     readers compute it without building a zarr array.
     """
     return "/".join([array_path, "c", *map(str, coords)])
