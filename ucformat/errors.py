@@ -23,6 +23,7 @@ __all__ = [
     "NotAStoreError",
     "ParamNotFoundError",
     "SourceNotFoundError",
+    "StoreAccessError",
     "StoreExistsError",
     "TruncatedFileError",
     "UCFormatError",
@@ -113,6 +114,10 @@ class ChunkMissingError(UCFormatError, FileNotFoundError):
 
 class CorruptDataError(UCFormatError):
     """Stored bytes fail their checksum or cannot be decoded."""
+
+
+class StoreAccessError(UCFormatError):
+    """A store URL cannot be opened: unknown protocol, or its fsspec backend is not installed."""
 
 
 class LoadAbortedError(UCFormatError):

@@ -44,10 +44,7 @@ from zarr.core.sync import sync
 from zarr.storage import FsspecStore, LocalStore, MemoryStore, StorePath, WrapperStore
 
 from ucformat.dtypes import numpy_storage_dtype
-from ucformat.errors import (
-    ChunkMissingError,
-    CorruptDataError,
-)
+from ucformat.errors import ChunkMissingError, CorruptDataError, StoreAccessError
 from ucformat.layout.grid import chunk_box, chunk_flat_range, chunks_in_box
 from ucformat.locations import existing_store_directory, local_directory
 from ucformat.models import ArrayRef
@@ -207,7 +204,13 @@ def open_store(target: StoreLike, *, read_only: bool) -> Store:
         )
     path = local_directory(target)
     if path is None:
-        return FsspecStore.from_url(str(target), read_only=read_only)
+        try:
+            return FsspecStore.from_url(str(target), read_only=read_only)
+        except (ImportError, ValueError) as exc:  # unknown protocol, backend not installed
+            raise StoreAccessError(
+                f"{target}: cannot open this URL ({exc}); install the fsspec backend for its "
+                "protocol (e.g. s3fs, gcsfs, adlfs) or give a local path."
+            ) from None
     if read_only:
         existing_store_directory(path)
     return LocalStore(path, read_only=read_only)

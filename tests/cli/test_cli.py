@@ -457,6 +457,17 @@ BAD_STORES: dict[str, tuple[Callable[[Path, Path], Path], list[str]]] = {
 }
 
 
+@pytest.mark.parametrize(
+    "args",
+    [["inspect", "foo://ckpt.ucf"], ["verify", "foo://ckpt.ucf"],
+     ["convert", str(ZERO2), "foo://ckpt.ucf"],
+     ["export", "safetensors", "foo://ckpt.ucf", "out"]],
+    ids=["inspect", "verify", "convert", "export"],
+)  # fmt: skip
+def test_an_unusable_store_url_is_one_line_exit_2(args: list[str]) -> None:
+    assert_user_error(invoke(*args), "foo://ckpt.ucf: cannot open this URL", "Protocol not known")
+
+
 @pytest.mark.parametrize("command", ["inspect", "verify"])
 @pytest.mark.parametrize("case", list(BAD_STORES))
 def test_bad_store_is_one_line_exit_2(store: Path, tmp_path: Path, case: str, command: str) -> None:
