@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import fnmatch
+from collections.abc import Sequence
 from typing import Annotated
 
 import typer
@@ -33,7 +34,7 @@ def inspect_command(
     params = [
         (
             row.name + (f" (= {', '.join(row.aliases)})" if row.aliases else ""),
-            "x".join(map(str, row.shape)) or "()",
+            _shape(row.shape),
             row.dtype,
             row.group,
             ", ".join(row.states),
@@ -49,10 +50,12 @@ def inspect_command(
         columns = ("group", "params", "hyper-parameters")
         typer.echo("\n" + render_table("optimizer groups", columns, groups))
     if summary.buffers:
-        buffers = [
-            (name, "x".join(map(str, shape)) or "()", dtype)
-            for name, shape, dtype in summary.buffers
-        ]
+        buffers = [(name, _shape(shape), dtype) for name, shape, dtype in summary.buffers]
         typer.echo("\n" + render_table("buffers", ("name", "shape", "dtype"), buffers))
     for key, value in summary.totals.items():
         console.print(f"[bold]{key}:[/] {escape(str(value))}")
+
+
+def _shape(shape: Sequence[int]) -> str:
+    """``16x8``; ``()`` for a scalar."""
+    return "x".join(map(str, shape)) or "()"

@@ -32,6 +32,7 @@ import crc32c
 import numpy as np
 from zarr.abc.store import Store
 
+from ucformat._fileio import preadv_all
 from ucformat.dtypes import itemsize
 from ucformat.layout.shards import (
     ABSENT,
@@ -47,8 +48,6 @@ from ucformat.zarr_io import CheckedStore, fetch_bytes, local_file
 __all__ = ["check_flat_range", "read_flat_range"]
 
 ShardKey = Callable[[tuple[int, ...]], str]
-#: Most buffers one ``preadv`` call takes (Linux ``IOV_MAX``).
-_IOV_MAX = 1024
 
 
 def read_flat_range(
@@ -247,7 +246,7 @@ class _Run:
         except OSError:
             return False
         try:
-            got = _preadv_all(fd, views, self.begin)
+            got = preadv_all(fd, views, self.begin)
         finally:
             os.close(fd)
         if got != self.nbytes:
@@ -264,23 +263,6 @@ class _Run:
 
 def _crc_ok(chunk: memoryview, checksum: memoryview) -> bool:
     return bool(crc32c.crc32c(chunk) == int.from_bytes(checksum, "little"))
-
-
-def _preadv_all(fd: int, views: list[memoryview], offset: int) -> int:
-    """Fill ``views`` in turn from ``offset``; the number of bytes read (short at end of file)."""
-    total, first = 0, 0
-    pending = list(views)
-    while first < len(pending):
-        got = os.preadv(fd, pending[first : first + _IOV_MAX], offset + total)
-        if got <= 0:
-            break
-        total += got
-        while first < len(pending) and got >= len(pending[first]):
-            got -= len(pending[first])
-            first += 1
-        if got:
-            pending[first] = pending[first][got:]
-    return total
 
 
 def _index(

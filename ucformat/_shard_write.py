@@ -21,21 +21,26 @@ from __future__ import annotations
 
 import bisect
 import mmap
-import os
 from collections.abc import Iterator, Sequence
 
 import crc32c
 import numpy as np
 
+from ucformat._fileio import pwrite_all
 from ucformat.dtypes import itemsize, torch_to_storage
 from ucformat.layout.shards import ABSENT, CRC_BYTES, ChunkSlot, ShardLayout, shard_layout
 from ucformat.models import ArrayRef
 from ucformat.plan import CopyItem, WriteUnit
 
-__all__ = ["WINDOW_BYTES", "ShardEncoder", "encode_shard", "stream_shard"]
+__all__ = ["WINDOW_BYTES", "ShardEncoder", "encode_shard", "shard_of", "stream_shard"]
 
 #: Bytes of chunks (with their checksums) a streaming writer fills and writes at a time.
 WINDOW_BYTES = 4 * 1024 * 1024
+
+
+def shard_of(ref: ArrayRef, unit: WriteUnit) -> tuple[int, ...]:
+    """The coordinates, in the shard grid, of the shard ``unit`` fills."""
+    return tuple(p.start // size for p, size in zip(unit.region, ref.shard_shape, strict=True))
 
 
 class ShardEncoder:
@@ -49,9 +54,7 @@ class ShardEncoder:
         if ref.compressor != "none" or not ref.shape:
             raise ValueError(f"{ref.path}: only uncompressed n-d shards are encoded here")
         self.item = itemsize(ref.dtype)
-        self.shard = tuple(
-            piece.start // size for piece, size in zip(unit.region, ref.shard_shape, strict=True)
-        )
+        self.shard = shard_of(ref, unit)
         self.layout: ShardLayout = shard_layout(
             ref.shape, ref.chunk_shape, ref.shard_shape, self.item, self.shard
         )
@@ -158,12 +161,6 @@ def stream_shard(fd: int, ref: ArrayRef, unit: WriteUnit, scratch: memoryview) -
     for slots in encoder.windows(len(scratch)):
         size = len(slots) * encoder.stored
         encoder.fill(scratch[:size], slots)
-        _pwrite_all(fd, scratch[:size], slots[0].offset)
-    _pwrite_all(fd, memoryview(encoder.index_bytes()), encoder.layout.index_offset)
+        pwrite_all(fd, scratch[:size], slots[0].offset)
+    pwrite_all(fd, memoryview(encoder.index_bytes()), encoder.layout.index_offset)
     return encoder.layout.nbytes
-
-
-def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
-    done = 0
-    while done < len(data):
-        done += os.pwrite(fd, data[done:], offset + done)

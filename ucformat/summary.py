@@ -95,7 +95,7 @@ def summarize(manifest: CheckpointManifest) -> StoreSummary:
     buffers = tuple(
         (name, tuple(entry.shape), entry.dtype) for name, entry in manifest.buffers.items()
     )
-    numel = sum(_numel(entry.shape) for entry in manifest.params.values())
+    numel = sum(entry.numel for entry in manifest.params.values())
     stored = sum(row.nbytes for row in rows) + sum(
         entry.array.nbytes for entry in manifest.buffers.values()
     )
@@ -105,10 +105,3 @@ def summarize(manifest: CheckpointManifest) -> StoreSummary:
         "stored": f"{format_bytes(stored)} uncompressed",
     }
     return StoreSummary(header, rows, groups, buffers, totals)
-
-
-def _numel(shape: list[int]) -> int:
-    total = 1
-    for dim in shape:
-        total *= dim
-    return total

@@ -24,16 +24,15 @@ import numpy as np
 import zarr
 from zarr.abc.store import Store
 
-from ucformat._shard_write import WINDOW_BYTES, encode_shard, stream_shard
+from ucformat._shard_write import WINDOW_BYTES, encode_shard, shard_of, stream_shard
 from ucformat.dtypes import itemsize, numpy_storage_dtype, torch_to_storage
 from ucformat.models import ArrayRef
 from ucformat.plan import ConvertPlan, WriteUnit
-from ucformat.zarr_io import chunk_key, local_object, write_region, write_shard
+from ucformat.spec import shard_object_key
 from ucformat.zarr_io import create_arrays as create_array_group
+from ucformat.zarr_io import local_object, write_region, write_shard
 
-__all__ = [
-    "DEFAULT_WORKERS", "create_arrays", "encode_shard", "fill_unit", "shard_of", "write_units",
-]  # fmt: skip
+__all__ = ["DEFAULT_WORKERS", "create_arrays", "fill_unit", "write_units"]
 
 #: Shard writers run concurrently by default: reading, checksumming and writing overlap, and
 #: memory stays bounded (see the module docstring).
@@ -61,11 +60,6 @@ def fill_unit(ref: ArrayRef, unit: WriteUnit) -> np.ndarray:
     return buffer
 
 
-def shard_of(ref: ArrayRef, unit: WriteUnit) -> tuple[int, ...]:
-    """The coordinates, in the shard grid, of the shard ``unit`` fills."""
-    return tuple(p.start // size for p, size in zip(unit.region, ref.shard_shape, strict=True))
-
-
 def write_units(
     plan: ConvertPlan,
     arrays: Sequence[zarr.Array[Any]],
@@ -89,7 +83,7 @@ def write_units(
     def run(unit: WriteUnit) -> int:
         ref, array = plan.arrays[unit.array], arrays[unit.array]
         if ref.compressor == "none" and ref.shape:
-            key = chunk_key(array, shard_of(ref, unit))
+            key = shard_object_key(ref.path, shard_of(ref, unit))
             with local_object(array.store_path.store, key) as fd:
                 if fd is not None:
                     if not hasattr(scratch, "window"):  # one per worker, reused for every shard

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from ucformat._fileio import preadv_all
 from ucformat.dtypes import numpy_storage_dtype, storage_to_torch, torch_dtype
 from ucformat.errors import TruncatedFileError, UnsupportedCheckpointError
 from ucformat.sources.safe_unpickle import PicklePolicy, StorageRef, load_pickle
@@ -35,8 +36,6 @@ __all__ = ["TensorRef", "TorchFile", "open_torch_file"]
 
 _LOCAL_HEADER = struct.Struct("<4sHHHHHIIIHH")
 _LOCAL_HEADER_MAGIC = b"PK\x03\x04"
-#: Most buffers one ``preadv`` call takes (Linux ``IOV_MAX``).
-_IOV_MAX = 1024
 
 
 @dataclass(eq=False)
@@ -88,7 +87,7 @@ class TorchFile:
     def read_bytes_scattered(self, key: str, start: int, views: Sequence[memoryview]) -> None:
         """Fill ``views`` in turn with consecutive bytes of storage ``key`` from ``start`` on.
 
-        One ``preadv`` call per up to :data:`_IOV_MAX` views: the bytes go from the page cache
+        One ``preadv`` call per up to ``IOV_MAX`` views: the bytes go from the page cache
         (or the disk) straight into their destinations, e.g. the chunks of a shard buffer.
         """
         offset, length = self.storage_span(key)
@@ -98,18 +97,8 @@ class TorchFile:
                 f"{self.path}: read of bytes [{start}, {start + total}) of storage '{key}' "
                 f"overruns its {length} bytes."
             )
-        pending = [view for view in views if len(view)]
-        first, position = 0, offset + start
-        while first < len(pending):
-            got = os.preadv(self._fd, pending[first : first + _IOV_MAX], position)
-            if got <= 0:
-                raise TruncatedFileError(f"{self.path}: unexpected end of file.")
-            position += got
-            while first < len(pending) and got >= len(pending[first]):
-                got -= len(pending[first])
-                first += 1
-            if got:  # a short read stopped inside this view
-                pending[first] = pending[first][got:]
+        if preadv_all(self._fd, views, offset + start) != total:
+            raise TruncatedFileError(f"{self.path}: unexpected end of file.")
 
     def close(self) -> None:
         """Release the file descriptor."""
