@@ -14,6 +14,7 @@ from zarr.storage import LocalStore
 
 from ucformat.errors import StoreExistsError
 from ucformat.layout.chunking import ChunkPolicy
+from ucformat.locations import local_source
 from ucformat.manifest_io import ROOT_KEY, commit_manifest
 from ucformat.models import CheckpointManifest
 from ucformat.plan import ConvertOptions, ConvertPlan, plan_convert
@@ -21,7 +22,7 @@ from ucformat.sources.deepspeed import read_deepspeed_checkpoint
 from ucformat.sources.safe_unpickle import PicklePolicy
 from ucformat.spec import FORMAT_NAME, FORMAT_VERSION, MANIFEST_KEY
 from ucformat.writer import DEFAULT_WORKERS, create_arrays, write_units
-from ucformat.zarr_io import StoreLike, delete_key, list_keys, open_store
+from ucformat.zarr_io import StoreLike, delete_key, list_keys, open_store, store_writes
 
 __all__ = ["ConvertHooks", "convert", "plan_from_source"]
 
@@ -47,7 +48,8 @@ def plan_from_source(
     opaque_globals: Iterable[str] = (),
 ) -> ConvertPlan:
     """Read ``src``'s metadata and plan its conversion, without writing anything."""
-    with read_deepspeed_checkpoint(Path(src), tag, _pickle_policy(opaque_globals)) as source:
+    policy = _pickle_policy(opaque_globals)
+    with read_deepspeed_checkpoint(local_source(src), tag, policy) as source:
         return plan_convert(source, _options(chunk_bytes, shard_bytes, compressor))
 
 
@@ -90,23 +92,26 @@ def convert(
         >>> manifest = ucformat.convert("runs/gpt/global_step800", "ckpt.ucf")  # doctest: +SKIP
     """
     hooks = hooks or ConvertHooks()
-    with read_deepspeed_checkpoint(Path(src), tag, _pickle_policy(opaque_globals)) as source:
+    policy = _pickle_policy(opaque_globals)
+    with read_deepspeed_checkpoint(local_source(src), tag, policy) as source:
         plan = plan_convert(source, _options(chunk_bytes, shard_bytes, compressor))
         if hooks.on_plan is not None:
             hooks.on_plan(plan)
         if dry_run:
             return plan.manifest
         store = open_store(dst, read_only=False)
-        created = _prepare_destination(store, overwrite)
+        with store_writes(store, "preparing the destination"):
+            created = _prepare_destination(store, overwrite)
         try:
-            zarr.create_group(
-                store,
-                overwrite=True,
-                zarr_format=3,
-                attributes={
-                    FORMAT_NAME: {"format_version": FORMAT_VERSION, "manifest": MANIFEST_KEY}
-                },
-            )
+            with store_writes(store, f"writing {ROOT_KEY}"):
+                zarr.create_group(
+                    store,
+                    overwrite=True,
+                    zarr_format=3,
+                    attributes={
+                        FORMAT_NAME: {"format_version": FORMAT_VERSION, "manifest": MANIFEST_KEY}
+                    },
+                )
             arrays = create_arrays(store, plan)
             write_units(plan, arrays, plan.units, workers=workers, progress=hooks.on_bytes)
         except BaseException:

@@ -52,6 +52,7 @@ from ucformat.errors import (
     UnsupportedVersionError,
 )
 from ucformat.layout.grid import chunk_box, chunk_flat_range, chunks_in_box, shard_grid
+from ucformat.locations import local_source
 from ucformat.manifest_io import (
     ROOT_KEY,
     digest_matches,
@@ -193,7 +194,7 @@ def verify(
         source = None
         if against is not None:
             source = stack.enter_context(
-                replan_source(Path(against), manifest, arrays, opaque_globals)
+                replan_source(local_source(against), manifest, arrays, opaque_globals)
             )
             for message in manifest_differences(manifest, source.plan.manifest):
                 report.add("source", MANIFEST_KEY, message)

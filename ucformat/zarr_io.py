@@ -44,7 +44,13 @@ from zarr.core.sync import sync
 from zarr.storage import FsspecStore, LocalStore, MemoryStore, StorePath, WrapperStore
 
 from ucformat.dtypes import numpy_storage_dtype
-from ucformat.errors import ChunkMissingError, CorruptDataError, StoreAccessError
+from ucformat.errors import (
+    ChunkMissingError,
+    CorruptDataError,
+    StoreAccessError,
+    StoreWriteError,
+    UCFormatError,
+)
 from ucformat.layout.grid import chunk_box, chunk_flat_range, chunks_in_box
 from ucformat.locations import existing_store_directory, local_directory
 from ucformat.models import ArrayRef
@@ -60,6 +66,7 @@ __all__ = [
     "create_array",
     "create_arrays",
     "delete_key",
+    "describe_store",
     "expected_metadata",
     "fetch_bytes",
     "list_keys",
@@ -69,6 +76,7 @@ __all__ = [
     "open_store",
     "read_box",
     "read_key",
+    "store_writes",
     "write_key",
     "write_region",
     "write_shard",
@@ -216,6 +224,40 @@ def open_store(target: StoreLike, *, read_only: bool) -> Store:
     return LocalStore(path, read_only=read_only)
 
 
+def describe_store(store: Store) -> str:
+    """Where ``store`` is, for messages: its URL (``s3://bucket/prefix``) or local root."""
+    while isinstance(store, WrapperStore):
+        store = store._store
+    if isinstance(store, LocalStore):
+        return str(store.root)
+    if isinstance(store, FsspecStore):
+        protocol = store.fs.protocol
+        scheme = protocol[0] if isinstance(protocol, tuple | list) else protocol
+        return f"{scheme}://{store.path}"
+    return str(store)
+
+
+@contextlib.contextmanager
+def store_writes(store: Store, what: str) -> Iterator[None]:
+    """Turn an ``OSError`` of a store while ``what`` (``"writing <key>"``) into one
+    :class:`StoreWriteError`.
+
+    Object stores report a refused PUT (no bucket, no permission, server gone) as an
+    ``OSError`` subclass through fsspec; local stores a full disk or a read-only folder.
+    """
+    try:
+        yield
+    except UCFormatError:
+        raise
+    except OSError as exc:
+        reason = exc.strerror or str(exc) or type(exc).__name__
+        raise StoreWriteError(
+            f"{describe_store(store)}: {what} failed ({type(exc).__name__}: "
+            f"{reason[:200]}); nothing was committed. Check the destination (bucket, "
+            "credentials, endpoint, free space) and re-run with --overwrite."
+        ) from None
+
+
 def codec_chain(compressor: str) -> list[Any]:
     """The inner-chunk bytes-to-bytes codecs: optional zstd, then a crc32c checksum."""
     codecs: list[Any] = [ZstdCodec(level=3)] if compressor == "zstd" else []
@@ -266,11 +308,16 @@ def create_arrays(store: Store, refs: Sequence[ArrayRef]) -> list[zarr.Array[Any
     prototype = default_buffer_prototype()
 
     async def write_all() -> None:
-        await asyncio.gather(
-            *(store.set(key, prototype.buffer.from_bytes(data)) for key, data in documents.items())
+        results = await asyncio.gather(
+            *(store.set(key, prototype.buffer.from_bytes(data)) for key, data in documents.items()),
+            return_exceptions=True,  # every write finishes before a failure is raised
         )
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
 
-    sync(write_all())
+    with store_writes(store, "writing the array metadata"):
+        sync(write_all())
     return [array_from_manifest(store, ref) for ref in refs]
 
 
@@ -345,13 +392,16 @@ def chunk_key(array: zarr.Array[Any], coords: tuple[int, ...]) -> str:
 
 def write_region(array: zarr.Array[Any], region: tuple[slice, ...], data: np.ndarray) -> None:
     """Write ``data`` (already in storage dtype and region shape) to ``array[region]``."""
-    array[region] = data
+    with store_writes(array.store_path.store, f"writing {array.path}"):
+        array[region] = data
 
 
 def write_shard(array: zarr.Array[Any], shard: tuple[int, ...], data: np.ndarray) -> None:
     """Store ``data`` (``uint8``, an encoded shard object) as shard ``shard`` of ``array``."""
     buffer = default_buffer_prototype().buffer.from_array_like(data)
-    sync(array.store_path.store.set(chunk_key(array, shard), buffer))
+    key = chunk_key(array, shard)
+    with store_writes(array.store_path.store, f"writing {key}"):
+        sync(array.store_path.store.set(key, buffer))
 
 
 def read_box(array: zarr.Array[Any], box: tuple[slice, ...]) -> np.ndarray:
@@ -480,13 +530,15 @@ def read_key(store: Store, key: str) -> bytes | None:
 
 def write_key(store: Store, key: str, data: bytes) -> None:
     """Write one object (atomically on local disk and object stores)."""
-    sync(store.set(key, default_buffer_prototype().buffer.from_bytes(data)))
+    with store_writes(store, f"writing {key}"):
+        sync(store.set(key, default_buffer_prototype().buffer.from_bytes(data)))
 
 
 def delete_key(store: Store, key: str) -> None:
     """Delete one object if present."""
-    if sync(store.exists(key)):
-        sync(store.delete(key))
+    with store_writes(store, f"deleting {key}"):
+        if sync(store.exists(key)):
+            sync(store.delete(key))
 
 
 def list_keys(store: Store, prefix: str = "") -> list[str]:
