@@ -151,10 +151,21 @@ class S3Server:
             proc.kill()
             proc.wait(timeout=10)
 
-    def _api(self, path: str) -> None:
-        request = urllib.request.Request(f"{self.endpoint}/moto-api/{path}", method="POST")
+    def _api(self, path: str, body: str = "") -> None:
+        request = urllib.request.Request(
+            f"{self.endpoint}/moto-api/{path}",
+            data=body.encode(),
+            method="POST",
+            headers={"Content-Type": "text/plain"},
+        )
         with urllib.request.urlopen(request, timeout=10):
             pass
+
+    def refuse_after(self, count: float) -> None:
+        """Serve ``count`` more requests, then refuse every one (``PermissionError`` for the
+        client: moto's ``INITIAL_NO_AUTH_ACTION_COUNT``, after which it checks credentials and
+        knows none); ``float("inf")`` serves everything again."""
+        self._api("reset-auth", str(count))
 
     def record(self) -> None:
         """Start recording requests, from an empty recording (needs ``recording``)."""
