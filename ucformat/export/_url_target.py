@@ -22,7 +22,7 @@ from typing import Any
 
 from ucformat.errors import StoreAccessError, StoreExistsError, StoreWriteError, UCFormatError
 from ucformat.export._common import ExportResult
-from ucformat.locations import local_directory
+from ucformat.store.locations import local_directory
 
 __all__ = ["export_to_url", "is_url"]
 

@@ -8,10 +8,10 @@ chunk shape (edge chunks padded) plus a 4-byte crc32c; each shard ends with an i
 per chunk plus a 4-byte crc32c, which a reader fetches once per shard it touches (readers cache
 indexes). Compression is ignored (ucformat's default is none).
 
-Requests follow the reader (:mod:`ucformat._shard_read`): one suffix request per shard index
-(once per reader), and per range one range request per shard it touches (the range's chunks of
-one shard are stored back to back, so they are one run); a 0-d array is one whole-object
-request and has no index.
+Requests follow the reader (:mod:`ucformat.store.direct.shard_read`): one suffix request per
+shard index (once per reader), and per range one range request per shard it touches (the
+range's chunks of one shard are stored back to back, so they are one run); a 0-d array is one
+whole-object request and has no index.
 """
 
 from __future__ import annotations
