@@ -135,7 +135,7 @@ def load(
         }
         tally.bytes_needed += sum(v.numel() * v.element_size() for v in buffer_values.values())
         for name, value in buffer_values.items():
-            tally.note(ckpt.array_ref(name, BUFFER_STATE), 0, max(1, value.numel()))
+            tally.note(ckpt.array_ref(name, BUFFER_STATE), 0, value.numel())
         return parts, frozen_values, buffer_values
 
     failure: UCFormatError | OSError | None = None
@@ -365,7 +365,7 @@ def _read_frozen(
         return values
     value = ckpt.read(owner, FP32_STATE)
     tally.bytes_needed += value.numel() * 4
-    tally.note(ckpt.array_ref(owner, FP32_STATE), 0, max(1, value.numel()))
+    tally.note(ckpt.array_ref(owner, FP32_STATE), 0, value.numel())
     return value
 
 
