@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import time
-from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
@@ -29,7 +28,10 @@ _KIB = 1024
 @user_errors
 def convert_command(
     src: Annotated[
-        Path, typer.Argument(help="DeepSpeed checkpoint: tag folder, or run folder with 'latest'.")
+        str,
+        typer.Argument(
+            help="DeepSpeed checkpoint: tag folder, or run folder with 'latest' (local)."
+        ),
     ],
     dst: Annotated[str, typer.Argument(help="Destination store: a path or an fsspec URL.")],
     tag: Annotated[

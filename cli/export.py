@@ -28,7 +28,10 @@ export_app = typer.Typer(
 )
 
 Store = Annotated[str, typer.Argument(help="A ucformat store: path or fsspec URL.")]
-Out = Annotated[Path, typer.Argument(help="Destination folder.")]
+Out = Annotated[
+    str,
+    typer.Argument(help="Destination folder, or a URL (s3://...: written locally, then uploaded)."),
+]
 Overwrite = Annotated[
     bool,
     typer.Option("--overwrite", help="Replace the files this export writes in a non-empty OUT."),

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -18,7 +17,7 @@ PROBLEMS_FOUND = 1
 def verify_command(
     store: Annotated[str, typer.Argument(help="A ucformat store: path or fsspec URL.")],
     against: Annotated[
-        Path | None,
+        str | None,
         typer.Option(help="The DeepSpeed checkpoint it came from: compare every value with it."),
     ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,

@@ -4,9 +4,14 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
+
+if TYPE_CHECKING:
+    from tests.s3server import S3Server
 
 REPO = Path(__file__).resolve().parents[1]
 #: Generated DeepSpeed checkpoints live here between sessions (git-ignored).
@@ -37,3 +42,40 @@ def ds_loads(ds_grid: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[st
     from tests.fixtures.run_loads import run_loads
 
     return run_loads(ALL_LOADS, ds_grid, tmp_path_factory.mktemp("loads"))
+
+
+def s3_available() -> bool:
+    """Whether the S3 test dependencies (s3fs, moto's server) are installed."""
+    return all(importlib.util.find_spec(name) is not None for name in ("s3fs", "moto", "flask"))
+
+
+#: The bucket every S3 test writes into (on the tests' own server).
+S3_BUCKET = "ucformat-tests"
+
+
+@pytest.fixture(scope="session")
+def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
+    """moto's S3 server on 127.0.0.1 (a free port), with bucket ``S3_BUCKET``, for the session.
+
+    Its endpoint and dummy credentials are put into ``os.environ`` (botocore's own settings:
+    ``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``, ...), so this process and every process it
+    starts (torchrun jobs, CLI runs) reach it through s3fs with no other configuration; they
+    are restored, and the server stopped, at the end.
+    """
+    if not s3_available():
+        pytest.skip("s3fs / moto[server] are not installed (pip install -e '.[test]')")
+    from tests.s3server import S3Server
+
+    recording = tmp_path_factory.mktemp("s3") / "requests.jsonl"
+    with S3Server(recording=recording) as server:
+        server.create_bucket(S3_BUCKET)
+        saved = {key: os.environ.get(key) for key in server.env()}
+        os.environ.update(server.env())
+        try:
+            yield server
+        finally:
+            for key, value in saved.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value

@@ -16,7 +16,16 @@ from ucformat.sources.deepspeed.checkpoint import read_deepspeed_checkpoint
 from ucformat.sources.safe_unpickle import PicklePolicy
 from ucformat.spec import FORMAT_NAME, FORMAT_VERSION, MANIFEST_KEY
 from ucformat.store.arrays import create_root_group
-from ucformat.store.keys import Store, StoreLike, delete_key, list_keys, local_root, open_store
+from ucformat.store.keys import (
+    Store,
+    StoreLike,
+    delete_key,
+    list_keys,
+    local_root,
+    open_store,
+    store_writes,
+)
+from ucformat.store.locations import local_source
 from ucformat.store.manifest_io import ROOT_KEY, commit_manifest
 from ucformat.writer import DEFAULT_WORKERS, create_arrays, write_units
 
@@ -44,7 +53,8 @@ def plan_from_source(
     opaque_globals: Iterable[str] = (),
 ) -> ConvertPlan:
     """Read ``src``'s metadata and plan its conversion, without writing anything."""
-    with read_deepspeed_checkpoint(Path(src), tag, _pickle_policy(opaque_globals)) as source:
+    policy = _pickle_policy(opaque_globals)
+    with read_deepspeed_checkpoint(local_source(src), tag, policy) as source:
         return plan_convert(source, _options(chunk_bytes, shard_bytes, compressor))
 
 
@@ -87,18 +97,22 @@ def convert(
         >>> manifest = ucformat.convert("runs/gpt/global_step800", "ckpt.ucf")  # doctest: +SKIP
     """
     hooks = hooks or ConvertHooks()
-    with read_deepspeed_checkpoint(Path(src), tag, _pickle_policy(opaque_globals)) as source:
+    policy = _pickle_policy(opaque_globals)
+    with read_deepspeed_checkpoint(local_source(src), tag, policy) as source:
         plan = plan_convert(source, _options(chunk_bytes, shard_bytes, compressor))
         if hooks.on_plan is not None:
             hooks.on_plan(plan)
         if dry_run:
             return plan.manifest
         store = open_store(dst, read_only=False)
-        created = _prepare_destination(store, overwrite)
+        with store_writes(store, "preparing the destination"):
+            created = _prepare_destination(store, overwrite)
         try:
-            create_root_group(
-                store, {FORMAT_NAME: {"format_version": FORMAT_VERSION, "manifest": MANIFEST_KEY}}
-            )
+            with store_writes(store, f"writing {ROOT_KEY}"):
+                create_root_group(
+                    store,
+                    {FORMAT_NAME: {"format_version": FORMAT_VERSION, "manifest": MANIFEST_KEY}},
+                )
             arrays = create_arrays(store, plan)
             write_units(plan, arrays, plan.units, workers=workers, progress=hooks.on_bytes)
         except BaseException:

@@ -25,6 +25,7 @@ __all__ = [
     "SourceNotFoundError",
     "StoreAccessError",
     "StoreExistsError",
+    "StoreWriteError",
     "TruncatedFileError",
     "UCFormatError",
     "UnsafePickleError",
@@ -118,6 +119,11 @@ class CorruptDataError(UCFormatError):
 
 class StoreAccessError(UCFormatError):
     """A store URL cannot be opened: unknown protocol, or its fsspec backend is not installed."""
+
+
+class StoreWriteError(UCFormatError, OSError):
+    """The store refused a write (a failed object-store PUT, no space, no permission): nothing
+    was committed."""
 
 
 class LoadAbortedError(UCFormatError):

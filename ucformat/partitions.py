@@ -22,6 +22,8 @@ import torch
 
 from ucformat.dtypes import itemsize, numpy_storage_dtype, storage_to_torch, torch_dtype
 from ucformat.layout.partition import Fragment, PartitionedFlatLayout, PerParamLayout
+from ucformat.layout.reads import ReadCost, range_read_cost
+from ucformat.models import ArrayRef
 from ucformat.reader import UniversalCheckpoint
 from ucformat.spec import FP32_STATE
 from ucformat.store.direct.memory import prefaulted_empty
@@ -62,10 +64,28 @@ class FlatTarget:
 
 @dataclass
 class ReadTally:
-    """Bytes this rank needed (exact ranges), for the over-read report."""
+    """Bytes this rank needed (exact ranges), for the over-read report, and the ranges read."""
 
     bytes_needed: int = 0
     arrays: set[str] = field(default_factory=set)
+    #: Per array path: the array and the flat ranges read from it.
+    ranges: dict[str, tuple[ArrayRef, list[tuple[int, int]]]] = field(default_factory=dict)
+
+    def note(self, ref: ArrayRef, start: int, stop: int) -> None:
+        """Record that ``[start, stop)`` of ``ref`` is read."""
+        self.arrays.add(ref.path)
+        if start < stop:
+            self.ranges.setdefault(ref.path, (ref, []))[1].append((start, stop))
+
+    def planned(self) -> ReadCost:
+        """What the read-cost model (:mod:`ucformat.layout.reads`) says these ranges cost:
+        bytes and requests, shard indexes fetched once per array (exact when each array is
+        read in one range, as a rank's loads read it)."""
+        total = ReadCost(0, 0, 0, 0)
+        for ref, ranges in self.ranges.values():
+            item = itemsize(ref.dtype)
+            total += range_read_cost(ref.shape, ref.chunk_shape, ref.shard_shape, item, ranges)
+        return total
 
 
 def rank_fragments(target: FlatTarget, available: Iterable[str]) -> list[Fragment]:
@@ -119,7 +139,7 @@ def read_flat_state(
             )
             window[:] = values.to(torch.float32).numpy()
         tally.bytes_needed += fragment.length * itemsize(ref.dtype)
-        tally.arrays.add(ref.path)
+        tally.note(ref, fragment.param_start, fragment.param_stop)
     tensor = storage_to_torch(out, stored_dtype)
     if dtype is not None and tensor.dtype != dtype:
         tensor = tensor.to(dtype)
@@ -178,7 +198,7 @@ def fill_flat_state(
         window = out[fragment.partition_start : fragment.partition_start + fragment.length]
         ckpt.read_range_into(ref, fragment.param_start, fragment.param_stop, window)
         tally.bytes_needed += fragment.length * itemsize(ref.dtype)
-        tally.arrays.add(ref.path)
+        tally.note(ref, fragment.param_start, fragment.param_stop)
 
 
 def _fill(out: np.ndarray, start: int, stop: int, filler: np.ndarray | None) -> None:

@@ -95,6 +95,8 @@ def _load(kind: str, engine: Any, job: dict[str, Any]) -> dict[str, Any]:
 
         profiler = Profiler(interval=0.002)
         profiler.start()
+    if job.get("ua_tag"):  # tells the ranks' requests apart in an S3 server's log
+        os.environ["AWS_SDK_UA_APP_ID"] = f"{job['ua_tag']}{os.environ.get('RANK', '0')}"
     report = ucformat.deepspeed.load(engine, job["store"])
     if profile:
         profiler.stop()
@@ -102,7 +104,13 @@ def _load(kind: str, engine: Any, job: dict[str, Any]) -> dict[str, Any]:
         Path(profile, f"ucf-load-rank{rank}-{time.time():.0f}.txt").write_text(
             profiler.output_text(show_all=False)
         )
-    return {"store_bytes_read": report.bytes_read, "bytes_needed": report.bytes_needed}
+    return {
+        "store_bytes_read": report.bytes_read,
+        "bytes_needed": report.bytes_needed,
+        "requests": report.requests,
+        "planned_bytes": report.planned_bytes,
+        "planned_requests": report.planned_requests,
+    }
 
 
 def main() -> int:

@@ -71,8 +71,10 @@ class ModelSize:
         return total
 
 
-#: ~100M parameters (~1.4 GB as a ZeRO bf16 checkpoint) and ~3x that.
+#: ~100M parameters (~1.4 GB as a ZeRO bf16 checkpoint) and ~3x that; 25m for the S3 loads
+#: (tests/bench/s3_loads.py: the S3 server holds its objects in memory).
 SIZES: dict[str, ModelSize] = {
+    "25m": ModelSize(hidden=512, ffn=1408, layers=6, vocab=8192),
     "100m": ModelSize(hidden=768, ffn=2048, layers=12, vocab=8192),
     "300m": ModelSize(hidden=1024, ffn=2816, layers=22, vocab=8192),
 }

@@ -1,4 +1,5 @@
-"""The read-cost model (ucformat.layout.reads) predicts exactly the bytes a reader fetches."""
+"""The read-cost model (ucformat.layout.reads) predicts exactly the bytes and requests a reader
+makes."""
 
 from __future__ import annotations
 
@@ -31,13 +32,15 @@ def test_predicted_bytes_equal_fetched_bytes(
         for _ in range(rng.randint(1, 3)):
             start = rng.randrange(numel)
             ranges.append((start, rng.randint(start + 1, numel)))
-        before = ckpt.stats.bytes_read
+        before, requests_before = ckpt.stats.bytes_read, ckpt.stats.requests
         for start, stop in ranges:
             ckpt.read_range(name, "fp32", start, stop)
         fetched = ckpt.stats.bytes_read - before
+        requests = ckpt.stats.requests - requests_before
         cost = range_read_cost(
             ref.shape, ref.chunk_shape, ref.shard_shape, itemsize(ref.dtype), ranges
         )
+        assert requests == cost.requests, (trial, name, ranges)  # indexes cached, one run each
         if len(ranges) == 1:
             assert fetched == cost.total, (trial, name, ranges)
         else:  # overlapping ranges re-fetch shared chunks; the model counts each once

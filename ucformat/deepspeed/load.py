@@ -55,6 +55,12 @@ class LoadReport:
     unexpected: list[str] = field(default_factory=list)
     bytes_read: int = 0
     bytes_needed: int = 0
+    #: Read requests this rank made to the store (each one GET on an object store).
+    requests: int = 0
+    #: What :mod:`ucformat.layout.reads` predicts for this rank's ranges (bytes, requests);
+    #: ``bytes_read`` and ``requests`` equal them for uncompressed stores.
+    planned_bytes: int = 0
+    planned_requests: int = 0
     seconds: float = 0.0
     client_state: dict[str, Any] = field(default_factory=dict)
     #: True when the fp32 partitions were checked in place, then read straight into the
@@ -101,7 +107,7 @@ def load(
     """
     started = time.perf_counter()
     ckpt = store if isinstance(store, UniversalCheckpoint) else open_checkpoint(store)
-    before = ckpt.stats.bytes_read
+    before, requests_before = ckpt.stats.bytes_read, ckpt.stats.requests
     view = describe_engine(engine)
     manifest = ckpt.manifest
     report = LoadReport()
@@ -128,6 +134,8 @@ def load(
             name: ckpt.read(name, BUFFER_STATE) for name in buffers if name in manifest.buffers
         }
         tally.bytes_needed += sum(v.numel() * v.element_size() for v in buffer_values.values())
+        for name, value in buffer_values.items():
+            tally.note(ckpt.array_ref(name, BUFFER_STATE), 0, value.numel())
         return parts, frozen_values, buffer_values
 
     failure: UCFormatError | OSError | None = None
@@ -158,6 +166,9 @@ def load(
     _restore_progress(view, manifest, load_optimizer_states, load_lr_scheduler_states, report)
     report.client_state = {k: decode(v) for k, v in manifest.client_state.values.items()}
     report.bytes_read = ckpt.stats.bytes_read - before
+    report.requests = ckpt.stats.requests - requests_before
+    planned = tally.planned()
+    report.planned_bytes, report.planned_requests = planned.total, planned.requests
     report.bytes_needed = tally.bytes_needed
     report.seconds = time.perf_counter() - started
     return report
@@ -352,9 +363,11 @@ def _read_frozen(
         start, stop = min(rank * piece, numel), min((rank + 1) * piece, numel)
         values = ckpt.read_range(owner, FP32_STATE, start, stop)
         tally.bytes_needed += (stop - start) * 4
+        tally.note(ckpt.array_ref(owner, FP32_STATE), start, stop)
         return values
     value: torch.Tensor = ckpt.read(owner, FP32_STATE)
     tally.bytes_needed += value.numel() * 4
+    tally.note(ckpt.array_ref(owner, FP32_STATE), 0, value.numel())
     return value
 
 

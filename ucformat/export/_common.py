@@ -90,7 +90,7 @@ class ExportResult:
     """
 
     target: str
-    out: Path
+    out: Path | str  # a str for a URL destination
     files: list[str]
     nbytes: int
     dry_run: bool

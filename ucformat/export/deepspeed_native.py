@@ -50,6 +50,7 @@ from ucformat.export._deepspeed_common import (
 )
 from ucformat.export._native_files import RankFiles, frozen_fragments
 from ucformat.export._native_target import NativePlan, native_target, plan_native
+from ucformat.export._url_target import export_to_url, is_url
 from ucformat.models import CheckpointManifest
 from ucformat.reader import UniversalCheckpoint
 from ucformat.sources.deepspeed.files import LATEST_FILE
@@ -146,7 +147,8 @@ def export_deepspeed(
     Args:
         store: a store path/URL/``Store`` or an opened checkpoint.
         out: the checkpoint folder (``engine.load_checkpoint(out)``): ``out/<tag>/`` and
-            ``out/latest`` are written; it must be empty unless ``overwrite``.
+            ``out/latest`` are written; it must be empty unless ``overwrite``. A URL
+            (``s3://...``) is written locally, then uploaded (docs/s3.md).
         world_size: data-parallel ranks of the job that will load it.
         stage: ZeRO stage 1, 2 or 3.
         dtype: training dtype ``fp32``/``fp16``/``bf16`` (default: the config's, else the
@@ -174,6 +176,25 @@ def export_deepspeed(
         ckpt.manifest, world_size=world_size, stage=stage, dtype=dtype, ds_config=ds_config, tag=tag
     )
     target = plan.target
+    if is_url(out):
+        return export_to_url(
+            str(out),
+            lambda folder: export_deepspeed(
+                ckpt,
+                folder,
+                world_size=world_size,
+                stage=stage,
+                dtype=dtype,
+                ds_config=ds_config,
+                tag=tag,
+                dry_run=dry_run,
+                hooks=hooks,
+            ),
+            owned=_owned(target.tag),
+            overwrite=overwrite,
+            dry_run=dry_run,
+            last=("latest",),
+        )
     folder = Path(out)
     notes: list[str] = []
     if not dry_run:

@@ -50,6 +50,7 @@ from ucformat.export._deepspeed_common import (
     module_state_dict,
     require_optimizer,
 )
+from ucformat.export._url_target import export_to_url, is_url
 from ucformat.models import CheckpointManifest
 from ucformat.pyvalue import decode
 from ucformat.reader import UniversalCheckpoint, scalar_value
@@ -170,7 +171,8 @@ def export_deepspeed_universal(
     Args:
         store: a store path/URL/``Store`` or an opened checkpoint.
         out: the folder to pass to ``engine.load_checkpoint`` (``out/<tag>/`` and
-            ``out/latest_universal`` are written); must be empty unless ``overwrite``.
+            ``out/latest_universal`` are written); must be empty unless ``overwrite``. A URL
+            (``s3://...``) is written locally, then uploaded (docs/s3.md).
         tag: folder name (default ``<source tag>_universal``).
         overwrite: replace ``out/<tag>`` and ``out/latest_universal`` (other files are kept).
         dry_run: plan only; write nothing (DeepSpeed is not needed).
@@ -187,8 +189,19 @@ def export_deepspeed_universal(
     hooks = hooks or ExportHooks()
     ckpt = open_store_arg(store)
     name, files, payload = plan_deepspeed_universal(ckpt.manifest, tag=tag)
-    folder = Path(out)
     owned = lambda entry: entry in (name, LATEST_UNIVERSAL)  # noqa: E731
+    if is_url(out):
+        return export_to_url(
+            str(out),
+            lambda folder: export_deepspeed_universal(
+                ckpt, folder, tag=tag, dry_run=dry_run, hooks=hooks
+            ),
+            owned=owned,
+            overwrite=overwrite,
+            dry_run=dry_run,
+            last=(LATEST_UNIVERSAL,),
+        )
+    folder = Path(out)
     notes: list[str] = []
     manifest = ckpt.manifest
     if not dry_run:

@@ -46,6 +46,7 @@ from ucformat.export._common import (
     parse_size,
     prepare_destination,
 )
+from ucformat.export._url_target import export_to_url, is_url
 from ucformat.models import CheckpointManifest
 from ucformat.reader import UniversalCheckpoint
 from ucformat.spec import BUFFER_STATE, FP32_STATE
@@ -284,7 +285,8 @@ def export_safetensors(
 
     Args:
         store: a store path/URL/``Store`` or an opened checkpoint.
-        out: destination folder (created; must be empty unless ``overwrite``).
+        out: destination folder (created; must be empty unless ``overwrite``), or a URL
+            (``s3://...``: written locally, then uploaded; see docs/s3.md).
         dtype: dtype of floating parameters: ``fp32`` (default, the exact master weights),
             ``bf16`` or ``fp16``. Buffers keep their own dtype.
         max_shard_size: largest file payload (``"5GB"`` = 5·10**9 bytes, ``"2GiB"`` = 2·2**30).
@@ -304,6 +306,25 @@ def export_safetensors(
     clock = Stopwatch()
     hooks = hooks or ExportHooks()
     ckpt = open_store_arg(store)
+    if is_url(out):
+        return export_to_url(
+            str(out),
+            lambda folder: export_safetensors(
+                ckpt,
+                folder,
+                dtype=dtype,
+                max_shard_size=max_shard_size,
+                tied=tied,
+                buffers=buffers,
+                dry_run=dry_run,
+                piece_bytes=piece_bytes,
+                hooks=hooks,
+            ),
+            owned=_owned,
+            overwrite=overwrite,
+            dry_run=dry_run,
+            last=(INDEX_NAME,),
+        )
     plan = plan_safetensors(
         ckpt.manifest, dtype=dtype, max_shard_size=max_shard_size, tied=tied, buffers=buffers
     )

@@ -7,6 +7,11 @@ Costs follow the store format (docs/format.md §2): every inner chunk is stored 
 chunk shape (edge chunks padded) plus a 4-byte crc32c; each shard ends with an index of 16 bytes
 per chunk plus a 4-byte crc32c, which a reader fetches once per shard it touches (readers cache
 indexes). Compression is ignored (ucformat's default is none).
+
+Requests follow the reader (:mod:`ucformat.store.direct.shard_read`): one suffix request per
+shard index (once per reader), and per range one range request per shard it touches (the
+range's chunks of one shard are stored back to back, so they are one run); a 0-d array is one
+whole-object request and has no index.
 """
 
 from __future__ import annotations
@@ -32,11 +37,30 @@ class ReadCost:
     index_bytes: int
     chunks: int
     shards: int
+    #: Range requests for chunk data: per range, one per shard it touches.
+    data_requests: int = 0
+    #: Suffix requests for shard indexes: one per shard touched (0 for a 0-d array).
+    index_requests: int = 0
 
     @property
     def total(self) -> int:
         """All bytes fetched."""
         return self.data_bytes + self.index_bytes
+
+    @property
+    def requests(self) -> int:
+        """All requests made."""
+        return self.data_requests + self.index_requests
+
+    def __add__(self, other: ReadCost) -> ReadCost:
+        return ReadCost(
+            self.data_bytes + other.data_bytes,
+            self.index_bytes + other.index_bytes,
+            self.chunks + other.chunks,
+            self.shards + other.shards,
+            self.data_requests + other.data_requests,
+            self.index_requests + other.index_requests,
+        )
 
 
 def _grid(shape: Sequence[int], block: Sequence[int]) -> list[int]:
@@ -80,6 +104,7 @@ def range_read_cost(
     """Bytes fetched to read ``ranges`` of one array (each chunk and index fetched once)."""
     chunks: set[int] = set()
     shards: set[int] = set()
+    data_requests = 0
     for start, stop in ranges:
         ids = chunk_ids(shape, chunk_shape, start, stop)
         chunks.update(ids)
@@ -87,8 +112,10 @@ def range_read_cost(
             first = _chunk_to_shard(shape, chunk_shape, shard_shape, ids[0])
             last = _chunk_to_shard(shape, chunk_shape, shard_shape, ids[-1])
             shards.update(range(first, last + 1))
+            data_requests += last - first + 1
         elif ids:
             shards.add(0)
+            data_requests += 1
     chunk_bytes = prod(chunk_shape) * itemsize + CRC_BYTES
     per_shard = prod(s // c for s, c in zip(shard_shape, chunk_shape, strict=True)) if shape else 0
     index_bytes = (INDEX_ENTRY_BYTES * per_shard + CRC_BYTES) if shape else 0
@@ -97,6 +124,8 @@ def range_read_cost(
         index_bytes=len(shards) * index_bytes,
         chunks=len(chunks),
         shards=len(shards),
+        data_requests=data_requests,
+        index_requests=len(shards) if shape else 0,
     )
 
 

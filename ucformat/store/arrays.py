@@ -31,7 +31,7 @@ from ucformat.dtypes import numpy_storage_dtype
 from ucformat.errors import ChunkMissingError, CorruptDataError
 from ucformat.layout.grid import chunk_box, chunk_flat_range, chunks_in_box
 from ucformat.models import ArrayRef
-from ucformat.store.keys import read_key, run
+from ucformat.store.keys import read_key, run, store_writes
 
 __all__ = [
     "Array",
@@ -110,11 +110,16 @@ def create_arrays(store: Store, refs: Sequence[ArrayRef]) -> list[zarr.Array[Any
     prototype = default_buffer_prototype()
 
     async def write_all() -> None:
-        await asyncio.gather(
-            *(store.set(key, prototype.buffer.from_bytes(data)) for key, data in documents.items())
+        results = await asyncio.gather(
+            *(store.set(key, prototype.buffer.from_bytes(data)) for key, data in documents.items()),
+            return_exceptions=True,  # every write finishes before a failure is raised
         )
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
 
-    run(write_all())
+    with store_writes(store, "writing the array metadata"):
+        run(write_all())
     return [array_from_manifest(store, ref) for ref in refs]
 
 
@@ -188,13 +193,16 @@ def chunk_key(array: zarr.Array[Any], coords: tuple[int, ...]) -> str:
 
 def write_region(array: zarr.Array[Any], region: tuple[slice, ...], data: np.ndarray) -> None:
     """Write ``data`` (already in storage dtype and region shape) to ``array[region]``."""
-    array[region] = data
+    with store_writes(array.store_path.store, f"writing {array.path}"):
+        array[region] = data
 
 
 def write_shard(array: zarr.Array[Any], shard: tuple[int, ...], data: np.ndarray) -> None:
     """Store ``data`` (``uint8``, an encoded shard object) as shard ``shard`` of ``array``."""
     buffer = default_buffer_prototype().buffer.from_array_like(data)
-    run(array.store_path.store.set(chunk_key(array, shard), buffer))
+    key = chunk_key(array, shard)
+    with store_writes(array.store_path.store, f"writing {key}"):
+        run(array.store_path.store.set(key, buffer))
 
 
 def read_box(array: zarr.Array[Any], box: tuple[slice, ...]) -> np.ndarray:

@@ -7,16 +7,17 @@ so a missing data object is a loss, never a silent fill value.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Coroutine
+import contextlib
+from collections.abc import AsyncIterator, Coroutine, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
 from zarr.abc.store import Store
 from zarr.buffer import default_buffer_prototype
 from zarr.core.sync import sync
-from zarr.storage import FsspecStore, LocalStore
+from zarr.storage import FsspecStore, LocalStore, WrapperStore
 
-from ucformat.errors import StoreAccessError
+from ucformat.errors import StoreAccessError, StoreWriteError, UCFormatError
 from ucformat.store.locations import existing_store_directory, local_directory
 
 __all__ = [
@@ -28,6 +29,8 @@ __all__ = [
     "open_store",
     "read_key",
     "run",
+    "describe_store",
+    "store_writes",
     "write_key",
 ]
 
@@ -78,6 +81,40 @@ def open_store(target: StoreLike, *, read_only: bool) -> Store:
     return LocalStore(path, read_only=read_only)
 
 
+def describe_store(store: Store) -> str:
+    """Where ``store`` is, for messages: its URL (``s3://bucket/prefix``) or local root."""
+    while isinstance(store, WrapperStore):
+        store = store._store
+    if isinstance(store, LocalStore):
+        return str(store.root)
+    if isinstance(store, FsspecStore):
+        protocol = store.fs.protocol
+        scheme = protocol[0] if isinstance(protocol, tuple | list) else protocol
+        return f"{scheme}://{store.path}"
+    return str(store)
+
+
+@contextlib.contextmanager
+def store_writes(store: Store, what: str) -> Iterator[None]:
+    """Turn an ``OSError`` of a store while ``what`` (``"writing <key>"``) into one
+    :class:`StoreWriteError`.
+
+    Object stores report a refused PUT (no bucket, no permission, server gone) as an
+    ``OSError`` subclass through fsspec; local stores a full disk or a read-only folder.
+    """
+    try:
+        yield
+    except UCFormatError:
+        raise
+    except OSError as exc:
+        reason = exc.strerror or str(exc) or type(exc).__name__
+        raise StoreWriteError(
+            f"{describe_store(store)}: {what} failed ({type(exc).__name__}: "
+            f"{reason[:200]}); nothing was committed. Check the destination (bucket, "
+            "credentials, endpoint, free space) and re-run with --overwrite."
+        ) from None
+
+
 def read_key(store: Store, key: str) -> bytes | None:
     """The whole object at ``key``, or None if absent."""
     result = run(store.get(key, default_buffer_prototype()))
@@ -86,13 +123,15 @@ def read_key(store: Store, key: str) -> bytes | None:
 
 def write_key(store: Store, key: str, data: bytes) -> None:
     """Write one object (atomically on local disk and object stores)."""
-    run(store.set(key, default_buffer_prototype().buffer.from_bytes(data)))
+    with store_writes(store, f"writing {key}"):
+        run(store.set(key, default_buffer_prototype().buffer.from_bytes(data)))
 
 
 def delete_key(store: Store, key: str) -> None:
     """Delete one object if present."""
-    if run(store.exists(key)):
-        run(store.delete(key))
+    with store_writes(store, f"deleting {key}"):
+        if run(store.exists(key)):
+            run(store.delete(key))
 
 
 def list_keys(store: Store, prefix: str = "") -> list[str]:

@@ -9,9 +9,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from ucformat.errors import NotAStoreError, SourceNotFoundError
+from ucformat.errors import NotAStoreError, SourceNotFoundError, UnsupportedCheckpointError
 
-__all__ = ["existing_store_directory", "local_directory"]
+__all__ = ["existing_store_directory", "local_directory", "local_source"]
 
 
 def local_directory(target: str | os.PathLike[str]) -> Path | None:
@@ -34,5 +34,23 @@ def existing_store_directory(path: Path) -> Path:
     if not path.is_dir():
         raise NotAStoreError(
             f"{path}: is a file, not a ucformat store (a directory written by 'ucformat convert')."
+        )
+    return path
+
+
+def local_source(src: str | os.PathLike[str]) -> Path:
+    """The local folder of a DeepSpeed source checkpoint; a URL is refused in one line.
+
+    Raises:
+        UnsupportedCheckpointError: ``src`` is a URL (``s3://...``): DeepSpeed's per-rank files
+            are read from local disk (by offset, with ``preadv``); stores may be URLs.
+    """
+    path = local_directory(src)
+    if path is None:
+        text = os.fspath(src)
+        raise UnsupportedCheckpointError(
+            f"{text}: DeepSpeed checkpoints are read from a local folder only; copy it first "
+            f"(e.g. 'aws s3 sync {text} ./ckpt') and give that folder. The ucformat store "
+            "itself may be a URL."
         )
     return path

@@ -58,6 +58,9 @@ class TorchLoadReport:
     unexpected: list[str] = field(default_factory=list)
     #: The client state saved with the checkpoint (keys with an exact JSON form).
     client_state: dict[str, Any] = field(default_factory=dict)
+    #: Bytes and read requests fetched from the store (each request one GET on an object store).
+    bytes_read: int = 0
+    requests: int = 0
 
 
 def _open(store: StoreLike | UniversalCheckpoint) -> UniversalCheckpoint:
@@ -290,6 +293,7 @@ def load(
         >>> ucformat.torch.load(model, optimizer, "ckpt.ucf")  # doctest: +SKIP
     """
     ckpt = _open(store)
+    before, requests_before = ckpt.stats.bytes_read, ckpt.stats.requests
     manifest = ckpt.manifest
     report = TorchLoadReport()
     saved = model_state_dict(ckpt)
@@ -316,4 +320,6 @@ def load(
     if optimizer_sd is not None and optimizer is not None:
         optimizer.load_state_dict(optimizer_sd)
     report.client_state = {k: decode(v) for k, v in manifest.client_state.values.items()}
+    report.bytes_read = ckpt.stats.bytes_read - before
+    report.requests = ckpt.stats.requests - requests_before
     return report

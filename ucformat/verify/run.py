@@ -54,6 +54,7 @@ from ucformat.store.arrays import (
 from ucformat.store.checked import CheckedStore
 from ucformat.store.direct.shard_read import read_flat_range
 from ucformat.store.keys import Store, StoreLike, list_keys, open_store, read_key
+from ucformat.store.locations import local_source
 from ucformat.store.manifest_io import (
     ROOT_KEY,
     digest_matches,
@@ -189,7 +190,7 @@ def verify(
         source = None
         if against is not None:
             source = stack.enter_context(
-                replan_source(Path(against), manifest, arrays, opaque_globals)
+                replan_source(local_source(against), manifest, arrays, opaque_globals)
             )
             for message in manifest_differences(manifest, source.plan.manifest):
                 report.add("source", MANIFEST_KEY, message)
