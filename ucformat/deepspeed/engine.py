@@ -60,6 +60,30 @@ class EngineView:
             return
         self.wrapper.update_lp_params()
 
+    def release_gathered(self) -> None:
+        """ZeRO-3: release every gathered parameter before writing partitions.
+
+        A parameter gathered whole on this rank (the persistent ones, ``ds_persist``: at most
+        ``stage3_param_persistence_threshold`` elements, kept whole after each step; or any
+        parameter a forward left gathered) would otherwise keep its old full copy next to the
+        new partition. DeepSpeed's ``load_checkpoint`` starts the same way (the optimizer's
+        ``checkpoint_event_prologue``). No communication.
+        """
+        prologue = getattr(self.wrapper, "checkpoint_event_prologue", None)
+        if self.kind == "zero3" and prologue is not None:
+            prologue()
+
+    def regather_persistent(self) -> None:
+        """ZeRO-3: gather the persistent parameters from the new partitions (collective).
+
+        After DeepSpeed's own load (``checkpoint_event_epilogue``) and after every optimizer
+        step, parameters ZeRO-3 keeps whole hold their full values in ``param.data``; so they
+        do after ucformat's load. Stale secondary (hpZ) copies are dropped, as DeepSpeed does.
+        """
+        epilogue = getattr(self.wrapper, "checkpoint_event_epilogue", None)
+        if self.kind == "zero3" and epilogue is not None:
+            epilogue()
+
     def relink_optimizer_state(self) -> None:
         """Point DeepSpeed's per-param fragment views at the newly loaded optimizer state."""
         if self.kind in ("zero12", "bf16") and hasattr(self.wrapper, "_hp_optimizer_states_linked"):

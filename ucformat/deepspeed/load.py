@@ -14,7 +14,9 @@ Algorithm (per rank, no collective for the reads):
    optimizer state into new tensors (frozen params and buffers: what the rank holds);
 3. only then write into the engine: fp32 partitions, optimizer state and step, param-group
    hyper-parameters, frozen params, buffers, lr scheduler, loss scaler, counters; finally the
-   training-dtype weights are refreshed from fp32 (ZeRO-1/2 all-gathers them, as DeepSpeed does).
+   training-dtype weights are refreshed from fp32 (ZeRO-1/2 all-gathers them, as DeepSpeed does;
+   ZeRO-3 releases every gathered parameter before writing and gathers the persistent ones
+   afterwards, as DeepSpeed's own ``load_checkpoint`` does, so the engine looks the same).
 """
 
 from __future__ import annotations
@@ -148,6 +150,7 @@ def load(
 
     # --- nothing above modified the engine; from here on, write ------------------------------
     with torch.no_grad():
+        view.release_gathered()
         for part in parts:
             part.write(ckpt, tally)
         report.restored.append("fp32 master weights")
@@ -162,6 +165,7 @@ def load(
                 f"{len(frozen_values)} frozen params, {len(buffer_values)} buffers"
             )
         view.sync_low_precision()
+        view.regather_persistent()
         report.restored.append("training-dtype weights (from fp32)")
     _restore_progress(view, manifest, load_optimizer_states, load_lr_scheduler_states, report)
     report.client_state = {k: decode(v) for k, v in manifest.client_state.values.items()}
