@@ -67,7 +67,9 @@ def replan_source(
     }
     compressors = {ref.compressor for ref in refs}
     options = ConvertOptions(
-        compressor=compressors.pop() if len(compressors) == 1 else "none", layouts=layouts
+        compressor=compressors.pop() if len(compressors) == 1 else "none",
+        layouts=layouts,
+        format_version=manifest.format_version,
     )
     names = frozenset(opaque_globals)
     policy = PicklePolicy(opaque_globals=names - {"*"}, all_unknown_opaque="*" in names)

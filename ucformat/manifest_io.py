@@ -4,9 +4,10 @@ Commit protocol: every array is written first; the manifest is written last, as 
 (atomic rename on local disk, a single PUT on object stores). A store without a manifest is
 incomplete by definition and every reader refuses it.
 
-The manifest carries ``digest``: the sha256 of its canonical JSON (sorted keys, no whitespace)
-with ``digest`` itself set to null, so an edited manifest is detected; a manifest without one
-is refused too.
+The manifest carries ``digest``: the sha256 of its canonical JSON with ``digest`` itself set to
+null, so an edited manifest is detected; a manifest without one is refused too. Format 2 uses
+RFC 8785 (:mod:`ucformat.jcs`); format 1 stores keep format 1's rule (Python's ``json.dumps``
+with sorted keys), so they stay readable (docs/format.md §3.7).
 """
 
 from __future__ import annotations
@@ -25,9 +26,10 @@ from ucformat.errors import (
     NotAStoreError,
     UnsupportedVersionError,
 )
+from ucformat.jcs import canonicalize
 from ucformat.locations import existing_store_directory, local_directory
-from ucformat.models import CheckpointManifest
-from ucformat.spec import FORMAT_NAME, FORMAT_VERSION, MANIFEST_KEY
+from ucformat.models import IGNORE_UNKNOWN, CheckpointManifest
+from ucformat.spec import FORMAT_NAME, FORMAT_VERSION, KNOWN_MINOR, MANIFEST_KEY
 
 if TYPE_CHECKING:
     from zarr.abc.store import Store
@@ -54,20 +56,43 @@ ROOT_KEY = "zarr.json"
 
 
 def manifest_digest(manifest: CheckpointManifest) -> str:
-    """sha256 (hex) of the canonical JSON of ``manifest`` with ``digest`` cleared."""
+    """``sha256:<hex>`` of ``manifest`` with ``digest`` cleared, by its version's rule (§3.7)."""
     return document_digest(manifest.model_dump(mode="json"))
 
 
 def document_digest(document: Mapping[str, Any]) -> str:
     """The digest of a manifest as stored: its parsed JSON object, ``digest`` cleared (§3.7).
 
-    Computed on the stored document, not on a re-serialised model, so that a reader that knows
-    optional fields with defaults the writer did not have computes the writer's digest.
+    Computed on the stored document, not on a re-serialised model, so members a reader does not
+    know (a newer minor version) are digested too, and a reader that knows optional fields with
+    defaults the writer did not have computes the writer's digest. Format 2 and later: SHA-256
+    of the RFC 8785 canonical form; format 1: of Python's ``json.dumps(sort_keys=True,
+    separators=(",", ":"))`` (ASCII escapes).
+
+    Raises:
+        ManifestError: the document has no canonical form (a non-finite number, an integer
+            beyond ±(2**53 - 1), a lone surrogate).
     """
-    canonical = json.dumps(
-        {**document, "digest": None}, sort_keys=True, separators=(",", ":"), allow_nan=False
-    )
-    return "sha256:" + hashlib.sha256(canonical.encode()).hexdigest()
+    body = {**document, "digest": None}
+    major = _major(document.get("format_version"))
+    try:
+        if major == 1:
+            canonical = json.dumps(
+                body, sort_keys=True, separators=(",", ":"), allow_nan=False
+            ).encode()
+        else:
+            canonical = canonicalize(body)
+    except ValueError as exc:  # CanonicalizationError is one
+        raise ManifestError(
+            f"the manifest has no canonical JSON form, so no digest ({exc}); a writer must not "
+            "write such values."
+        ) from None
+    return "sha256:" + hashlib.sha256(canonical).hexdigest()
+
+
+def _major(version: object) -> int | None:
+    major = str(version).partition(".")[0]
+    return int(major) if major.isdigit() else None
 
 
 def commit_manifest(store: Store, manifest: CheckpointManifest) -> CheckpointManifest:
@@ -177,9 +202,11 @@ def parse_manifest(payload: bytes, where: str, *, check_digest: bool = True) -> 
         raise ManifestError(
             f"{where}/{MANIFEST_KEY}: expected format '{FORMAT_NAME}', found {found!r}."
         )
-    _check_version(str(data.get("format_version", "")), where)
+    newer_minor = _check_version(str(data.get("format_version", "")), where)
     try:
-        manifest = CheckpointManifest.model_validate(data)
+        manifest = CheckpointManifest.model_validate(
+            data, context=IGNORE_UNKNOWN if newer_minor else None
+        )
     except ValidationError as exc:
         first = exc.errors()[0]
         location = ".".join(str(p) for p in first["loc"])
@@ -192,7 +219,7 @@ def parse_manifest(payload: bytes, where: str, *, check_digest: bool = True) -> 
             f"{where}/{MANIFEST_KEY}: carries no digest; ucformat writes one with every manifest, "
             "so it was edited or written by another tool. Re-run the convert."
         )
-    if check_digest and not digest_matches(data):
+    if check_digest and not _digest_matches(data, where):
         raise ManifestError(
             f"{where}/{MANIFEST_KEY}: digest mismatch; the manifest was edited after it was "
             "written. Restore it or re-run the convert."
@@ -201,17 +228,38 @@ def parse_manifest(payload: bytes, where: str, *, check_digest: bool = True) -> 
 
 
 def digest_matches(document: Mapping[str, Any]) -> bool:
-    """Whether a parsed manifest's ``digest`` is present and equals :func:`document_digest`."""
+    """Whether a parsed manifest's ``digest`` is present and equals :func:`document_digest`.
+
+    Raises:
+        ManifestError: the document has no canonical form.
+    """
     return document.get("digest") is not None and document["digest"] == document_digest(document)
 
 
-def _check_version(version: str, where: str) -> None:
-    major, _, _ = version.partition(".")
-    ours, _, _ = FORMAT_VERSION.partition(".")
-    if not major.isdigit():
-        raise ManifestError(f"{where}/{MANIFEST_KEY}: bad format_version {version!r}.")
-    if int(major) > int(ours):
+def _digest_matches(document: Mapping[str, Any], where: str) -> bool:
+    try:
+        return digest_matches(document)
+    except ManifestError as exc:
+        raise ManifestError(f"{where}/{MANIFEST_KEY}: {exc}") from None
+
+
+def _check_version(version: str, where: str) -> bool:
+    """Refuse a version this reader cannot read; True for a newer minor of a known major."""
+    major, dot, minor = version.partition(".")
+    if not (major.isdigit() and dot and minor.isdigit()):
+        raise ManifestError(
+            f"{where}/{MANIFEST_KEY}: bad format_version {version!r}; expected 'MAJOR.MINOR'."
+        )
+    newest = max(KNOWN_MINOR)
+    if int(major) > newest:
         raise UnsupportedVersionError(
             f"{where}: written in ucformat format {version}, but this ucformat reads format "
-            f"{ours}.x; upgrade ucformat to read it."
+            f"{newest}.x at most (it writes {FORMAT_VERSION}); upgrade ucformat to read it."
         )
+    known = KNOWN_MINOR.get(int(major))
+    if known is None:
+        raise UnsupportedVersionError(
+            f"{where}: format_version {version} is not a ucformat format version; this ucformat "
+            f"reads formats {', '.join(f'{m}.x' for m in sorted(KNOWN_MINOR))}."
+        )
+    return int(minor) > known

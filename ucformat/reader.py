@@ -28,7 +28,7 @@ from ucformat.layout.chunking import chunk_aligned_range
 from ucformat.layout.ranges import flat_range_to_boxes
 from ucformat.manifest_io import read_manifest
 from ucformat.models import ArrayRef, CheckpointManifest, ScalarState
-from ucformat.spec import FP32_STATE, shard_object_key
+from ucformat.spec import FP32_STATE, VALUE_STATE, shard_object_key
 from ucformat.zarr_io import (
     CheckedStore,
     IOStats,
@@ -113,6 +113,8 @@ class UniversalCheckpoint:
                 f"({len(self.manifest.params)} params; see 'ucformat inspect')."
             )
         ref = entry.states.get(state)
+        if ref is None and state == FP32_STATE and not entry.requires_grad:
+            ref = entry.states.get(VALUE_STATE)  # a frozen parameter's value (format 2)
         if ref is None:
             available = sorted([*entry.states, *entry.scalars])
             raise ParamNotFoundError(
@@ -137,7 +139,8 @@ class UniversalCheckpoint:
     def read(self, name: str, state: str) -> Any:
         """The full value of ``state`` of ``name`` in the parameter's shape.
 
-        ``"fp32"`` is the fp32 master weight (frozen parameters: their value upcast to fp32);
+        ``"fp32"`` is the fp32 master weight (frozen parameters: their ``"value"``, in their own
+        dtype, upcast to fp32);
         optimizer states keep the optimizer's key names; scalar states such as ``"step"``
         come back with their original type; buffers are read with state ``"buffer"``.
         """

@@ -41,6 +41,7 @@ from ucformat.sources.deepspeed_states import (
 )
 from ucformat.sources.safe_unpickle import PicklePolicy, StandIn
 from ucformat.sources.torchfile import TensorRef, TorchFile, open_torch_file
+from ucformat.spec import VALUE_STATE
 
 __all__ = ["read_deepspeed_checkpoint"]
 
@@ -268,7 +269,11 @@ def _frozen_params(
 
 def _frozen(array: ArraySource) -> SourceParam:
     return SourceParam(
-        shape=array.shape, dtype=array.dtype, requires_grad=False, group=None, arrays={FP32: array}
+        shape=array.shape,
+        dtype=array.dtype,
+        requires_grad=False,
+        group=None,
+        arrays={VALUE_STATE: array},
     )
 
 
