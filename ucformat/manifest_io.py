@@ -44,6 +44,7 @@ __all__ = [
     "commit_manifest",
     "digest_matches",
     "document_digest",
+    "is_newer_minor",
     "load_manifest",
     "manifest_digest",
     "parse_manifest",
@@ -243,6 +244,13 @@ def _digest_matches(document: Mapping[str, Any], where: str) -> bool:
         raise ManifestError(f"{where}/{MANIFEST_KEY}: {exc}") from None
 
 
+def is_newer_minor(version: str) -> bool:
+    """Whether ``version`` (of a readable major) is newer than the minor this reader knows."""
+    major, _, minor = version.partition(".")
+    known = KNOWN_MINOR.get(int(major)) if major.isdigit() else None
+    return known is not None and minor.isdigit() and int(minor) > known
+
+
 def _check_version(version: str, where: str) -> bool:
     """Refuse a version this reader cannot read; True for a newer minor of a known major."""
     major, dot, minor = version.partition(".")
@@ -262,4 +270,4 @@ def _check_version(version: str, where: str) -> bool:
             f"{where}: format_version {version} is not a ucformat format version; this ucformat "
             f"reads formats {', '.join(f'{m}.x' for m in sorted(KNOWN_MINOR))}."
         )
-    return int(minor) > known
+    return is_newer_minor(version)

@@ -55,6 +55,7 @@ from ucformat.layout.grid import chunk_box, chunk_flat_range, chunks_in_box, sha
 from ucformat.manifest_io import (
     ROOT_KEY,
     digest_matches,
+    is_newer_minor,
     parse_manifest,
     read_manifest_bytes,
 )
@@ -187,7 +188,8 @@ def verify(
         report.add("manifest", MANIFEST_KEY, exc.message.removeprefix(f"{where}/{MANIFEST_KEY}: "))
         return report
     arrays = _check_manifest(manifest, json.loads(payload), report)
-    _check_root(checked, manifest, report)
+    lenient = is_newer_minor(manifest.format_version)  # zarr.json may hold newer members too
+    _check_root(checked, manifest, report, lenient)
     keys = set(list_keys(checked))
     with ExitStack() as stack:
         source = None
@@ -198,7 +200,7 @@ def verify(
             for message in manifest_differences(manifest, source.plan.manifest):
                 report.add("source", MANIFEST_KEY, message)
         for array in arrays:
-            _check_array(checked, array.ref, keys, source, report)
+            _check_array(checked, array.ref, keys, source, report, lenient)
     report.bytes_read = checked.stats.bytes_read
     return report
 
@@ -223,7 +225,9 @@ def _check_manifest(
     return arrays
 
 
-def _check_root(store: Store, manifest: CheckpointManifest, report: VerifyReport) -> None:
+def _check_root(
+    store: Store, manifest: CheckpointManifest, report: VerifyReport, lenient: bool
+) -> None:
     document = _load_json(store, ROOT_KEY, ROOT_KEY, report)
     if document is None:
         return
@@ -235,7 +239,8 @@ def _check_root(store: Store, manifest: CheckpointManifest, report: VerifyReport
         },
     }
     found = {key: document.get(key) for key in expected} if isinstance(document, dict) else None
-    for difference in list(document_differences(found, expected))[:MAX_DIFFERENCES]:
+    differences = document_differences(found, expected, unknown_ok=lenient)
+    for difference in list(differences)[:MAX_DIFFERENCES]:
         report.add("metadata", ROOT_KEY, difference.describe(ROOT_KEY, "the manifest"))
 
 
@@ -259,11 +264,12 @@ def _check_array(
     keys: set[str],
     source: SourceShards | None,
     report: VerifyReport,
+    lenient: bool,
 ) -> None:
     """Check one array's ``zarr.json``, then every shard (data is read as readers do)."""
     document = _load_json(store, f"{ref.path}/{ROOT_KEY}", ref.path, report)
     if document is not None:
-        found = list(document_differences(document, expected_metadata(ref)))
+        found = list(document_differences(document, expected_metadata(ref), unknown_ok=lenient))
         for difference in found[:MAX_DIFFERENCES]:
             report.add("metadata", ref.path, difference.describe("zarr.json", "the manifest"))
     # readers build the array from the digest-checked manifest, not from its zarr.json
