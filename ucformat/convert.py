@@ -64,6 +64,7 @@ def convert(
     workers: int = DEFAULT_WORKERS,
     opaque_globals: Iterable[str] = (),
     hooks: ConvertHooks | None = None,
+    check_source: bool = True,
 ) -> CheckpointManifest:
     """Convert a DeepSpeed ZeRO checkpoint into a ucformat store.
 
@@ -79,6 +80,9 @@ def convert(
         workers: threads writing shards concurrently (default: the CPU count, at most 4).
         opaque_globals: extra pickle globals to keep as inert placeholders (client state).
         hooks: progress callbacks.
+        check_source: checksum every source byte as it is read and compare each tensor storage
+            read with its file's zip CRC-32 before committing (a damaged shard file is an
+            error, not a converted value); ``dry_run`` reads no tensor bytes, so checks none.
 
     Returns:
         The committed manifest (for ``dry_run``, the manifest that would be written).
@@ -90,7 +94,8 @@ def convert(
         >>> manifest = ucformat.convert("runs/gpt/global_step800", "ckpt.ucf")  # doctest: +SKIP
     """
     hooks = hooks or ConvertHooks()
-    with read_deepspeed_checkpoint(Path(src), tag, _pickle_policy(opaque_globals)) as source:
+    policy = _pickle_policy(opaque_globals)
+    with read_deepspeed_checkpoint(Path(src), tag, policy, check_crc=check_source) as source:
         plan = plan_convert(source, _options(chunk_bytes, shard_bytes, compressor))
         if hooks.on_plan is not None:
             hooks.on_plan(plan)
@@ -109,6 +114,7 @@ def convert(
             )
             arrays = create_arrays(store, plan)
             write_units(plan, arrays, plan.units, workers=workers, progress=hooks.on_bytes)
+            source.check_integrity()  # before the commit: a damaged source never looks complete
         except BaseException:
             if created and isinstance(store, LocalStore):
                 shutil.rmtree(store.root, ignore_errors=True)

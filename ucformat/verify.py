@@ -151,7 +151,11 @@ class VerifyReport:
 
 
 def verify(
-    store: StoreLike, against: str | Path | None = None, *, opaque_globals: Iterable[str] = ()
+    store: StoreLike,
+    against: str | Path | None = None,
+    *,
+    opaque_globals: Iterable[str] = (),
+    check_source: bool = True,
 ) -> VerifyReport:
     """Check every byte of a ucformat store, optionally against its source checkpoint.
 
@@ -160,6 +164,8 @@ def verify(
         against: the DeepSpeed checkpoint the store was converted from (tag folder, or run folder
             holding the store's tag); each array is compared with it bit for bit.
         opaque_globals: pickle globals the convert needed ``--opaque-global`` for.
+        check_source: with ``against``, compare every source tensor storage read with its
+            file's zip CRC-32; a damaged source file is an error (it cannot be the reference).
 
     Returns:
         The report; ``report.ok`` is True only if every check holds.
@@ -169,6 +175,7 @@ def verify(
         NotAStoreError: ``store`` is not a ucformat store.
         IncompleteStoreError: ``store`` has no committed manifest.
         UnsupportedVersionError: ``store`` is from a newer format major version.
+        SourceChecksumError: a file of ``against`` fails its zip CRC-32.
         UCFormatError: ``against`` cannot be read.
 
     Example:
@@ -195,12 +202,14 @@ def verify(
         source = None
         if against is not None:
             source = stack.enter_context(
-                replan_source(Path(against), manifest, arrays, opaque_globals)
+                replan_source(Path(against), manifest, arrays, opaque_globals, check_source)
             )
             for message in manifest_differences(manifest, source.plan.manifest):
                 report.add("source", MANIFEST_KEY, message)
         for array in arrays:
             _check_array(checked, array.ref, keys, source, report, lenient)
+        if source is not None:
+            source.check_integrity()
     report.bytes_read = checked.stats.bytes_read
     return report
 

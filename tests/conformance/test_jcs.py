@@ -130,3 +130,20 @@ def test_values_match_rfc8785(value: object) -> None:
     got = canonicalize(value)
     assert got == rfc8785.dumps(value)
     assert json.loads(got, parse_int=float) == value  # and it means the same value
+
+
+def test_worked_example_of_the_spec() -> None:
+    """docs/format.md §3.7: the example object, its canonical bytes and digest, as printed."""
+    import hashlib
+    import re
+
+    text = (Path(__file__).parents[2] / "docs" / "format.md").read_text()
+    section = text[text.index("**Worked example.**") : text.index("**Format 1**")]
+    blocks = re.findall(r"```(?:json)?\n(.*?)```", section, flags=re.S)
+    document = json.loads(blocks[0].replace("sha256:…", "sha256:anything"))
+    canonical = blocks[1].strip().encode()
+    assert canonicalize({**document, "digest": None}) == canonical
+    assert rfc8785.dumps({**document, "digest": None}) == canonical
+    assert f"these {len(canonical)} bytes" in section
+    digest = "sha256:" + hashlib.sha256(canonical).hexdigest()
+    assert f"`{digest}`" in section

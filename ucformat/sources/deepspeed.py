@@ -59,11 +59,17 @@ _REQUIRED_KEYS = ("module", "param_shapes", "dp_world_size")
 
 
 def read_deepspeed_checkpoint(
-    src: Path, tag: str | None = None, policy: PicklePolicy | None = None
+    src: Path,
+    tag: str | None = None,
+    policy: PicklePolicy | None = None,
+    *,
+    check_crc: bool = True,
 ) -> SourceCheckpoint:
     """Open and describe a DeepSpeed ZeRO checkpoint (tag folder or run folder with ``latest``).
 
     The returned object holds open file handles; close it (or use it as a context manager).
+    With ``check_crc``, storage bytes are checksummed as they are read and
+    :meth:`SourceCheckpoint.check_integrity` compares them with the files' zip CRC-32s.
     """
     folder, tag_name = locate_tag_folder(Path(src), tag)
     try:
@@ -73,8 +79,8 @@ def read_deepspeed_checkpoint(
         raise
     handles: list[TorchFile] = []
     try:
-        models = [_open(p, policy, handles) for p in files.model_files]
-        optim = [_open(p, policy, handles) for p in files.optim_files]
+        models = [_open(p, policy, handles, check_crc) for p in files.model_files]
+        optim = [_open(p, policy, handles, check_crc) for p in files.optim_files]
         return _describe(files, models, optim, handles)
     except UCFormatError:
         _close(handles)
@@ -111,8 +117,10 @@ def _check_model_file(folder: Path, policy: PicklePolicy | None) -> None:
             return
 
 
-def _open(path: Path, policy: PicklePolicy | None, handles: list[TorchFile]) -> TorchFile:
-    handle = open_torch_file(path, policy)
+def _open(
+    path: Path, policy: PicklePolicy | None, handles: list[TorchFile], check_crc: bool
+) -> TorchFile:
+    handle = open_torch_file(path, policy, check_crc=check_crc)
     handles.append(handle)
     return handle
 
