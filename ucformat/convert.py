@@ -65,6 +65,7 @@ def convert(
     opaque_globals: Iterable[str] = (),
     hooks: ConvertHooks | None = None,
     check_source: bool = True,
+    fsync: bool = True,
 ) -> CheckpointManifest:
     """Convert a DeepSpeed ZeRO checkpoint into a ucformat store.
 
@@ -83,6 +84,8 @@ def convert(
         check_source: checksum every source byte as it is read and compare each tensor storage
             read with its file's zip CRC-32 before committing (a damaged shard file is an
             error, not a converted value); ``dry_run`` reads no tensor bytes, so checks none.
+        fsync: on a local store, make every shard, directory and the manifest durable around
+            the commit (docs/format.md §6); off only for benchmarks and scratch stores.
 
     Returns:
         The committed manifest (for ``dry_run``, the manifest that would be written).
@@ -119,7 +122,7 @@ def convert(
             if created and isinstance(store, LocalStore):
                 shutil.rmtree(store.root, ignore_errors=True)
             raise
-        return commit_manifest(store, plan.manifest)
+        return commit_manifest(store, plan.manifest, durable=fsync)
 
 
 def _options(chunk_bytes: int | None, shard_bytes: int | None, compressor: str) -> ConvertOptions:

@@ -30,6 +30,7 @@ from ucformat.jcs import canonicalize
 from ucformat.locations import existing_store_directory, local_directory
 from ucformat.models import IGNORE_UNKNOWN, CheckpointManifest
 from ucformat.spec import FORMAT_NAME, FORMAT_VERSION, KNOWN_MINOR, MANIFEST_KEY
+from ucformat.store.durable import sync_tree, write_file_durably
 
 if TYPE_CHECKING:
     from zarr.abc.store import Store
@@ -96,13 +97,26 @@ def _major(version: object) -> int | None:
     return int(major) if major.isdigit() else None
 
 
-def commit_manifest(store: Store, manifest: CheckpointManifest) -> CheckpointManifest:
-    """Stamp ``manifest`` with its digest and write it as the store's last object."""
-    from ucformat.zarr_io import write_key
+def commit_manifest(
+    store: Store, manifest: CheckpointManifest, *, durable: bool = True
+) -> CheckpointManifest:
+    """Stamp ``manifest`` with its digest and write it as the store's last object.
+
+    On a local directory store with ``durable`` (docs/format.md §6), every file and directory
+    already in the store is fsynced first, then the manifest is written to a temporary file,
+    fsynced, renamed into place and the root directory fsynced: once this returns, a power loss
+    cannot leave a committed manifest whose shards were lost. Other stores get one ``set``.
+    """
+    from ucformat.zarr_io import local_file, write_key
 
     stamped = manifest.model_copy(update={"digest": manifest_digest(manifest)})
-    text = stamped.model_dump_json(indent=1)
-    write_key(store, MANIFEST_KEY, text.encode())
+    payload = stamped.model_dump_json(indent=1).encode()
+    path = local_file(store, MANIFEST_KEY) if durable else None
+    if path is None:
+        write_key(store, MANIFEST_KEY, payload)
+        return stamped
+    sync_tree(path.parent)
+    write_file_durably(path, payload)
     return stamped
 
 
