@@ -1,7 +1,8 @@
 """Write the golden stores of tests/conformance/golden and their expected values.
 
 Each golden store is a real DeepSpeed checkpoint (tests/fixtures/data, or the cached fixture grid
-of ``UCFORMAT_GRID_CACHE`` for cases not committed) converted with tiny chunks and shards, so
+of ``UCFORMAT_GRID_CACHE`` for cases not committed, or, for ``dtype-zoo``, one saved here by
+:mod:`tests.conformance._dtype_zoo_worker` under torchrun) converted with tiny chunks and shards, so
 that arrays have several chunks and shards and last chunks and shards overhang the array's edge
 (docs/format.md §2.2). Next to each store, ``expected/<store>/`` holds what a conforming reader
 must return, taken from ``truth.pt``, which the live DeepSpeed engine dumped when it saved the
@@ -23,6 +24,9 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
+import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -43,6 +47,10 @@ CHUNK_BYTES = 64
 SHARD_BYTES = 192
 
 
+#: Not a fixture case: the checkpoint :mod:`tests.conformance._dtype_zoo_worker` saves.
+ZOO = "dtype-zoo"
+
+
 @dataclass(frozen=True)
 class Golden:
     """One golden store: the fixture case it comes from and how it is written."""
@@ -50,6 +58,8 @@ class Golden:
     name: str
     case: str
     compressor: str = "none"
+    chunk_bytes: int = CHUNK_BYTES
+    shard_bytes: int = SHARD_BYTES
     #: format-1 stores: frozen values under "fp32" (written by ucformat 0.1.0, not regenerated)
     legacy: bool = False
 
@@ -64,8 +74,20 @@ GOLDENS = (
     Golden("z2-fp32-dsadam-ftb", "z2-fp32-dsadam-ftb-ws3"),
     # several optimizer groups, fp16 under ZeRO-3
     Golden("z3-fp16-tadam-multi", "z3-fp16-tadam-multi-ws2"),
+    # buffers of every other dtype (float64, int32, int16, int8, uint8, bool, ...), ZeRO-2
+    Golden("dtype-zoo", ZOO, chunk_bytes=8, shard_bytes=16),
     Golden("v1.0-z1-fp16-tadam-ftb", "z1-fp16-tadam-ftb-ws2", legacy=True),
 )
+
+
+def save_dtype_zoo(out: Path) -> Path:
+    """Run the dtype-zoo DeepSpeed job (torchrun, one CPU rank) into ``out``; return it."""
+    worker = HERE / "_dtype_zoo_worker.py"
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1",
+               "--master_port", "29731", str(worker), str(out)]  # fmt: skip
+    env = {**os.environ, "DS_ACCELERATOR": "cpu"}
+    subprocess.run(command, check=True, env=env, timeout=600, capture_output=True)
+    return out
 
 
 def case_dir(case: str) -> Path:
@@ -135,20 +157,24 @@ def write_expected(golden: Golden, truth: dict[str, Any]) -> None:
 
 def main() -> None:
     """(Re)write every golden store (but the format-1 ones) and every expected folder."""
-    for golden in GOLDENS:
-        source = case_dir(golden.case)
-        if not golden.legacy:
-            convert(
-                source / "ckpt",
-                GOLDEN / golden.name,
-                overwrite=True,
-                chunk_bytes=CHUNK_BYTES,
-                shard_bytes=SHARD_BYTES,
-                compressor=golden.compressor,
-                workers=1,
-            )
-        write_expected(golden, torch.load(source / "truth.pt", weights_only=True))
-        print(f"wrote {golden.name} from {golden.case}")
+    scratch = Path(tempfile.mkdtemp(prefix="ucf-golden-"))
+    try:
+        for golden in GOLDENS:
+            source = save_dtype_zoo(scratch / ZOO) if golden.case == ZOO else case_dir(golden.case)
+            if not golden.legacy:
+                convert(
+                    source / "ckpt",
+                    GOLDEN / golden.name,
+                    overwrite=True,
+                    chunk_bytes=golden.chunk_bytes,
+                    shard_bytes=golden.shard_bytes,
+                    compressor=golden.compressor,
+                    workers=1,
+                )
+            write_expected(golden, torch.load(source / "truth.pt", weights_only=True))
+            print(f"wrote {golden.name} from {golden.case}")
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
 if __name__ == "__main__":

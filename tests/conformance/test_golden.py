@@ -23,6 +23,7 @@ import torch
 
 import ucformat
 from tests.conformance.make_golden import EXPECTED, GOLDEN, GOLDENS, Golden
+from ucformat.dtypes import DTYPE_NAMES
 from ucformat.spec import state_array_path
 
 STORES = [pytest.param(g, id=g.name) for g in GOLDENS]
@@ -147,7 +148,7 @@ def test_golden_stores_cover_the_format() -> None:
         buffers += len(manifest.buffers)
         kinds |= {s.kind for e in manifest.params.values() for s in e.scalars.values()}
         groups = max(groups, len(manifest.optimizer.groups if manifest.optimizer else []))
-    assert {"float32", "float16", "bfloat16", "int64"} <= dtypes
+    assert dtypes == set(DTYPE_NAMES), "every dtype of §2.3"
     assert compressors == {"none", "zstd"}
     assert overhang and tied and buffers and groups >= 2
     assert {"float16", "bfloat16", "float32"} <= frozen
