@@ -179,3 +179,22 @@ def test_tensorstore_reads_names_with_dots_and_unicode(tmp_path: Path) -> None:
         spec = {"driver": "zarr3", "kvstore": {"driver": "file", "path": str(directory)}}
         values = ts.open(spec, open=True, read=True).result().read().result()
         assert (np.asarray(values) == index).all(), name
+
+
+def test_inspect_names_states_for_what_they_hold() -> None:
+    """Item 6: a frozen fp16 parameter's value is `value (float16)`; format 1's `fp32` name for
+    it is shown with what it holds; master weights and Adam states are plain float32."""
+    from tests.cli.helpers import invoke
+
+    def row(store: str, name: str) -> str:
+        result = invoke("inspect", GOLDEN / store, "--param", name)
+        assert result.exit_code == 0, result.output
+        (line,) = [line for line in result.stdout.splitlines() if line.startswith(name + " ")]
+        return line
+
+    assert "frozen  value (float16) " in row("z1-fp16-tadam-ftb", "frozen.weight")
+    assert "value (bfloat16)" in row("z3-bf16-dsadam-ftb-zstd", "frozen.weight")
+    assert "value  " in row("z2-fp32-dsadam-ftb", "frozen.weight")
+    legacy = row("v1.0-z1-fp16-tadam-ftb", "frozen.weight")
+    assert "fp32 (float16 value, format-1 name)" in legacy
+    assert "fp32, exp_avg, exp_avg_sq, step" in row("z1-fp16-tadam-ftb", "down.weight")
