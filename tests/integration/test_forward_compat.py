@@ -168,3 +168,28 @@ def test_newer_major_is_refused_in_one_line(version: str, tmp_path: Path) -> Non
         invoke("inspect", future), f"format {version}, but this ucformat reads format 2.x"
     )
     assert "\n" not in message.strip()
+
+
+@pytest.mark.deepspeed
+def test_future_minor_loads_into_deepspeed(ds_grid: Path, tmp_path: Path) -> None:
+    """``ucformat.deepspeed.load`` of the future stores into fresh engines (2.1 at ZeRO-3, 1.7 at
+    ZeRO-1): the loaded state equals the engine's dump at save time, and training on continues
+    exactly (the load worker of the grid tests checks both; one torchrun launch)."""
+    from tests.fixtures.load_cases import LoadCase
+    from tests.fixtures.make_fixtures import launch_jobs
+    from tests.fixtures.run_loads import LOAD_WORKER
+
+    stores = [future_store(CURRENT, "2.1", tmp_path), future_store(LEGACY, "1.7", tmp_path)]
+    jobs = [
+        {
+            "load": LoadCase(SOURCE_CASE, 2, stage).to_dict(),
+            "store": str(store),
+            "truth": str(ds_grid / SOURCE_CASE / "truth.pt"),
+            "result": str(tmp_path / f"{store.name}-z{stage}.json"),
+        }
+        for store, stage in zip(stores, (3, 1), strict=True)
+    ]
+    launch_jobs(LOAD_WORKER, 2, jobs, tmp_path / "logs", "future", 300.0)
+    for job in jobs:
+        result = json.loads(Path(job["result"]).read_text())
+        assert result["failures"] == [], (job["store"], result["failures"])
