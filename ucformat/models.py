@@ -6,8 +6,8 @@ generated from these models into ``schemas/manifest.schema.json``.
 
 Forward compatibility (docs/format.md §5): a manifest of a newer minor version of a known major
 may carry members these models do not know, at any level. It is validated with the context
-:data:`IGNORE_UNKNOWN` (see :func:`ucformat.manifest_io.parse_manifest`), which drops them from
-the model; they stay in the stored document, which the digest covers.
+:data:`IGNORE_UNKNOWN` (see :func:`ucformat.store.manifest_io.parse_manifest`), which drops
+them from the model; they stay in the stored document, which the digest covers.
 
 Values that come from Python training state (hyper-parameters, scheduler state, client state)
 are kept exact with the tagged encoding of :mod:`ucformat.pyvalue`; such fields are typed

@@ -158,7 +158,8 @@ def test_golden_stores_cover_the_format() -> None:
 def test_tensorstore_reads_names_with_dots_and_unicode(tmp_path: Path) -> None:
     """§2.4: a name's key is its UTF-8, unescaped; another zarr reader finds it by that key."""
     from ucformat.models import ArrayRef
-    from ucformat.zarr_io import create_array, open_store, write_region
+    from ucformat.store.arrays import create_array, write_region
+    from ucformat.store.keys import open_store
 
     store = open_store(tmp_path / "s", read_only=False)
     names = ["layers.0.attn.q_proj.weight", "ü.größe", "层.权重", "emoji😀.w", "a-b_c~d(e)"]
