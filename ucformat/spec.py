@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from typing import Final
 
 __all__ = [
     "BUFFERS_PREFIX",
@@ -20,7 +21,7 @@ __all__ = [
     "state_array_path",
 ]
 
-FORMAT_NAME = "ucformat"
+FORMAT_NAME: Final = "ucformat"
 #: Major.minor written by this implementation (docs/format.md §5). Readers accept any minor of
 #: a major they know and refuse a newer major.
 FORMAT_VERSION = "2.0"

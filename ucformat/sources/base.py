@@ -10,11 +10,12 @@ from __future__ import annotations
 import math
 import sys
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from ucformat.dtypes import dtype_name
 from ucformat.models import (
     ClientState,
+    DTypeName,
     OptimizerInfo,
     ScalarState,
     SourceInfo,
@@ -103,6 +104,11 @@ class SourceCheckpoint:
         self.close()
 
 
+def _dtype(name: str) -> DTypeName:
+    """``name`` as the manifest's dtype type (pydantic checks the value itself)."""
+    return cast("DTypeName", name)
+
+
 def scalar_state(value: Any, where: str) -> ScalarState:
     """Describe a 0-d optimizer state (python number or 0-d tensor) exactly.
 
@@ -116,8 +122,8 @@ def scalar_state(value: Any, where: str) -> ScalarState:
     if isinstance(value, float):
         return ScalarState(kind="float", value=value)
     if isinstance(value, TensorRef) and value.numel == 1 and not value.shape:
-        return ScalarState(kind="tensor", value=value.item(), dtype=value.dtype_name)
+        return ScalarState(kind="tensor", value=value.item(), dtype=_dtype(value.dtype_name))
     torch = sys.modules.get("torch")  # a torch tensor exists only once torch is imported
     if torch is not None and isinstance(value, torch.Tensor) and value.dim() == 0:
-        return ScalarState(kind="tensor", value=value.item(), dtype=dtype_name(value.dtype))
+        return ScalarState(kind="tensor", value=value.item(), dtype=_dtype(dtype_name(value.dtype)))
     raise TypeError(f"{where}: expected a scalar optimizer state, found {describe_type(value)}")

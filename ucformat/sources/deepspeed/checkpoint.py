@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from math import prod
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from pydantic import ValidationError
 
@@ -133,7 +133,7 @@ def _model_meta(handle: TorchFile) -> Mapping[str, Any]:
             f"{handle.path}: missing key(s) {', '.join(repr(k) for k in missing)}; not a "
             "DeepSpeed ZeRO model-states file."
         )
-    return meta
+    return cast("Mapping[str, Any]", meta)
 
 
 def _describe(
@@ -262,6 +262,8 @@ def _frozen_params(
     for name, shape in shapes.items():
         dims = tuple(int(d) for d in shape)
         if stage == 2:
+            if fragments is None:
+                raise KeyError("frozen_param_fragments")  # a damaged or foreign file
             frozen[name] = _frozen(_whole(fragments[name], models[0], name, dims))
             continue
         layout = PerParamLayout.build([(name, prod(dims))], world_size)
