@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -134,11 +133,9 @@ def test_future_minor_reads_like_the_original(name: str, version: str, tmp_path:
         assert all(same(state[k], b["optimizer"][index][k]) for k in state)
 
 
-def test_future_minor_verifies_against_its_source(tmp_path: Path) -> None:
-    cache = os.environ.get("UCFORMAT_GRID_CACHE")
-    source = Path(cache or "/nonexistent") / SOURCE_CASE / "ckpt"
-    if not source.is_dir():
-        pytest.skip(f"{SOURCE_CASE} is not in the fixture grid cache")
+@pytest.mark.deepspeed
+def test_future_minor_verifies_against_its_source(ds_grid: Path, tmp_path: Path) -> None:
+    source = ds_grid / SOURCE_CASE / "ckpt"
     for name, version in ((CURRENT, "2.1"), (LEGACY, "1.7")):
         report = ucformat.verify(future_store(name, version, tmp_path), against=source)
         assert report.ok, (name, report.problems)
