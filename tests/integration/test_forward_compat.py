@@ -186,7 +186,7 @@ def test_future_minor_loads_into_deepspeed(ds_grid: Path, tmp_path: Path) -> Non
         }
         for store, stage in zip(stores, (3, 1), strict=True)
     ]
-    launch_jobs(LOAD_WORKER, 2, jobs, tmp_path / "logs", "future", 300.0)
+    launch_jobs(LOAD_WORKER, 2, jobs, tmp_path / "logs", "future", 420.0)
     for job in jobs:
         result = json.loads(Path(job["result"]).read_text())
         assert result["failures"] == [], (job["store"], result["failures"])
