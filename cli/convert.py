@@ -61,6 +61,14 @@ def convert_command(
             "Repeatable."
         ),
     ] = None,
+    no_check_source: Annotated[
+        bool,
+        typer.Option(
+            "--no-check-source",
+            help="Skip the CRC-32 check of the source files' tensor bytes (a damaged shard "
+            "is then converted as it is).",
+        ),
+    ] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar.")] = False,
 ) -> None:
     """Convert a DeepSpeed ZeRO-1/2/3 checkpoint into a universal ucformat store."""
@@ -99,6 +107,7 @@ def convert_command(
             compressor=compress,
             workers=workers or DEFAULT_WORKERS,
             opaque_globals=opaque_global or (),
+            check_source=not no_check_source,
             hooks=ConvertHooks(on_plan=on_plan, on_bytes=lambda n: bar.advance(task, n)),
         )
     plan = planned[0]

@@ -25,6 +25,13 @@ def verify_command(
         list[str] | None,
         typer.Option(help="Pickle global the convert needed --opaque-global for. Repeatable."),
     ] = None,
+    no_check_source: Annotated[
+        bool,
+        typer.Option(
+            "--no-check-source",
+            help="With --against: skip the CRC-32 check of the source files' tensor bytes.",
+        ),
+    ] = False,
 ) -> None:
     """Check a store: manifest digest, metadata, every shard and chunk checksum; exit 0 if all hold.
 
@@ -33,7 +40,9 @@ def verify_command(
     """
     from ucformat.verify import verify
 
-    report = verify(store, against, opaque_globals=opaque_global or ())
+    report = verify(
+        store, against, opaque_globals=opaque_global or (), check_source=not no_check_source
+    )
     if as_json:
         typer.echo(json.dumps(report.as_dict(), indent=2))
     else:

@@ -71,6 +71,8 @@ def convert(
     workers: int = DEFAULT_WORKERS,
     opaque_globals: Iterable[str] = (),
     hooks: ConvertHooks | None = None,
+    check_source: bool = True,
+    fsync: bool = True,
 ) -> CheckpointManifest:
     """Convert a DeepSpeed ZeRO checkpoint into a ucformat store.
 
@@ -86,6 +88,11 @@ def convert(
         workers: threads writing shards concurrently (default: the CPU count, at most 4).
         opaque_globals: extra pickle globals to keep as inert placeholders (client state).
         hooks: progress callbacks.
+        check_source: checksum every source byte as it is read and compare each tensor storage
+            read with its file's zip CRC-32 before committing (a damaged shard file is an
+            error, not a converted value); ``dry_run`` reads no tensor bytes, so checks none.
+        fsync: on a local store, make every shard, directory and the manifest durable around
+            the commit (docs/format.md §6); off only for benchmarks and scratch stores.
 
     Returns:
         The committed manifest (for ``dry_run``, the manifest that would be written).
@@ -98,7 +105,9 @@ def convert(
     """
     hooks = hooks or ConvertHooks()
     policy = _pickle_policy(opaque_globals)
-    with read_deepspeed_checkpoint(local_source(src), tag, policy) as source:
+    with read_deepspeed_checkpoint(
+        local_source(src), tag, policy, check_crc=check_source
+    ) as source:
         plan = plan_convert(source, _options(chunk_bytes, shard_bytes, compressor))
         if hooks.on_plan is not None:
             hooks.on_plan(plan)
@@ -115,12 +124,13 @@ def convert(
                 )
             arrays = create_arrays(store, plan)
             write_units(plan, arrays, plan.units, workers=workers, progress=hooks.on_bytes)
+            source.check_integrity()  # before the commit: a damaged source never looks complete
         except BaseException:
             root = local_root(store)
             if created and root is not None:
                 shutil.rmtree(root, ignore_errors=True)
             raise
-        return commit_manifest(store, plan.manifest)
+        return commit_manifest(store, plan.manifest, durable=fsync)
 
 
 def _options(chunk_bytes: int | None, shard_bytes: int | None, compressor: str) -> ConvertOptions:

@@ -15,6 +15,7 @@ __all__ = [
     "CorruptDataError",
     "CoverageError",
     "IncompleteStoreError",
+    "InvalidNameError",
     "LayoutMismatchError",
     "ManifestError",
     "LoadAbortedError",
@@ -22,6 +23,7 @@ __all__ = [
     "NotACheckpointError",
     "NotAStoreError",
     "ParamNotFoundError",
+    "SourceChecksumError",
     "SourceNotFoundError",
     "StoreAccessError",
     "StoreExistsError",
@@ -70,6 +72,10 @@ class TruncatedFileError(UCFormatError):
     """A shard file is cut short or its zip container is damaged."""
 
 
+class SourceChecksumError(TruncatedFileError):
+    """A member of a source zip file fails its CRC-32: the file was damaged after it was written."""
+
+
 class UnsafePickleError(UCFormatError):
     """A pickle references a global that is not on the allow-list; nothing was executed."""
 
@@ -80,6 +86,10 @@ class LayoutMismatchError(UCFormatError):
 
 class CoverageError(UCFormatError):
     """Fragments do not tile a parameter exactly (hole, overlap or overflow)."""
+
+
+class InvalidNameError(UCFormatError):
+    """A parameter, buffer or state name that the store's key rule (format.md §2.4) refuses."""
 
 
 class ManifestError(UCFormatError):

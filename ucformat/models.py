@@ -4,6 +4,11 @@ The manifest is data. It is written as JSON (``ucformat.json``) in the store roo
 on read with ``extra="forbid"``, and versioned by ``format_version``. Its JSON schema is
 generated from these models into ``schemas/manifest.schema.json``.
 
+Forward compatibility (docs/format.md §5): a manifest of a newer minor version of a known major
+may carry members these models do not know, at any level. It is validated with the context
+:data:`IGNORE_UNKNOWN` (see :func:`ucformat.store.manifest_io.parse_manifest`), which drops
+them from the model; they stay in the stored document, which the digest covers.
+
 Values that come from Python training state (hyper-parameters, scheduler state, client state)
 are kept exact with the tagged encoding of :mod:`ucformat.pyvalue`; such fields are typed
 ``JsonValue`` here.
@@ -12,13 +17,22 @@ are kept exact with the tagged encoding of :mod:`ucformat.pyvalue`; such fields 
 from __future__ import annotations
 
 import math
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, JsonValue, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    JsonValue,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from ucformat.spec import FORMAT_NAME, FORMAT_VERSION
 
 __all__ = [
+    "IGNORE_UNKNOWN",
     "ArrayRef",
     "BufferEntry",
     "CheckpointManifest",
@@ -44,8 +58,25 @@ DTypeName = Literal[
 FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
 
 
+#: Validation context for a manifest of a newer minor version: unknown members are ignored.
+IGNORE_UNKNOWN: dict[str, bool] = {"ignore_unknown_members": True}
+
+
 class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_unknown_members(cls, data: Any, info: ValidationInfo) -> Any:
+        context = info.context
+        if (
+            isinstance(data, dict)
+            and isinstance(context, dict)
+            and context.get("ignore_unknown_members")
+        ):
+            known = {field.alias or name for name, field in cls.model_fields.items()}
+            return {key: value for key, value in data.items() if key in known}
+        return data
 
 
 class ArrayRef(_Model):
@@ -82,8 +113,9 @@ class ParamEntry(_Model):
     requires_grad: bool
     group: int | None = Field(description="Index of its optimizer param group; None if frozen.")
     states: dict[str, ArrayRef] = Field(
-        description="State name -> array. 'fp32' is the fp32 master weight (frozen params: the "
-        "stored value in its original dtype); other keys are the optimizer's own."
+        description="State name -> array. 'fp32' is the fp32 master weight of a trainable "
+        "parameter; 'value' is a frozen parameter's value in its own dtype (format 1 stored it "
+        "under 'fp32'); other keys are the optimizer's own."
     )
     scalars: dict[str, ScalarState] = Field(
         default_factory=dict, description="0-d optimizer states, e.g. 'step'."

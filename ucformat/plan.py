@@ -22,11 +22,19 @@ from math import prod
 
 from ucformat._version import __version__
 from ucformat.dtypes import itemsize
+from ucformat.errors import InvalidNameError
 from ucformat.layout.chunking import Chunking, ChunkPolicy, choose_chunking
 from ucformat.layout.ranges import check_tiling
 from ucformat.models import ArrayRef, BufferEntry, CheckpointManifest, ParamEntry
 from ucformat.sources.base import ArraySource, SourceCheckpoint, SourceFragment
-from ucformat.spec import buffer_array_path, state_array_path
+from ucformat.spec import (
+    FORMAT_VERSION,
+    FP32_STATE,
+    VALUE_STATE,
+    buffer_array_path,
+    name_problem,
+    state_array_path,
+)
 
 __all__ = ["ConvertOptions", "ConvertPlan", "CopyItem", "WriteUnit", "plan_convert"]
 
@@ -40,6 +48,9 @@ class ConvertOptions:
     #: Chunk and shard shapes for these array paths, instead of the policy's choice (``verify``
     #: re-plans a source in the layout of an existing store).
     layouts: Mapping[str, Chunking] = field(default_factory=dict)
+    #: The format version of the manifest. Only ``verify`` asks for another than the current
+    #: one: to re-plan a source as a format-1 writer laid it out (frozen values under ``fp32``).
+    format_version: str = FORMAT_VERSION
 
 
 @dataclass(frozen=True)
@@ -105,14 +116,18 @@ def plan_convert(source: SourceCheckpoint, options: ConvertOptions) -> ConvertPl
         sources.append(array)
         return ref
 
+    legacy = options.format_version.partition(".")[0] == "1"
     aliases: dict[str, list[str]] = {}
     for alias, owner in source.tied.items():
         aliases.setdefault(owner, []).append(alias)
     params: dict[str, ParamEntry] = {}
     for name, param in source.params.items():
+        _check_name(name, "parameter")
+        for state in param.arrays:
+            _check_name(state, "state", f" of parameter '{name}'")
         states = {
             state: add(state_array_path(name, state), array, f"param '{name}' state '{state}'")
-            for state, array in param.arrays.items()
+            for state, array in _format_states(param.arrays, legacy).items()
         }
         params[name] = ParamEntry(
             shape=list(param.shape),
@@ -123,6 +138,8 @@ def plan_convert(source: SourceCheckpoint, options: ConvertOptions) -> ConvertPl
             scalars=param.scalars,
             aliases=aliases.get(name, []),
         )
+    for name in source.buffers:
+        _check_name(name, "buffer")
     buffers = {
         name: BufferEntry(
             shape=list(array.shape),
@@ -133,6 +150,7 @@ def plan_convert(source: SourceCheckpoint, options: ConvertOptions) -> ConvertPl
     }
     tied = {alias: owner for alias, owner in source.tied.items() if owner in params}
     manifest = CheckpointManifest(
+        format_version=options.format_version,
         created_by=f"ucformat {__version__}",
         source=source.source,
         params=params,
@@ -148,6 +166,22 @@ def plan_convert(source: SourceCheckpoint, options: ConvertOptions) -> ConvertPl
         for unit in _units(index, ref, array)
     )
     return ConvertPlan(tuple(arrays), units, manifest)
+
+
+def _format_states(arrays: Mapping[str, ArraySource], legacy: bool) -> Mapping[str, ArraySource]:
+    """Format 1 stored a frozen parameter's value under ``fp32``; format 2 under ``value``."""
+    if legacy and VALUE_STATE in arrays:
+        return {FP32_STATE if k == VALUE_STATE else k: v for k, v in arrays.items()}
+    return arrays
+
+
+def _check_name(name: str, kind: str, owner: str = "") -> None:
+    problem = name_problem(name, kind)
+    if problem is not None:
+        raise InvalidNameError(
+            f"{kind} name {name!r}{owner} cannot name an array of a ucformat store: {problem} "
+            "(docs/format.md §2.4). Rename it in the model or optimizer."
+        )
 
 
 def shard_regions(shape: list[int], shard_shape: list[int]) -> Iterator[tuple[slice, ...]]:

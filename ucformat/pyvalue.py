@@ -6,6 +6,8 @@ keeps them exact with a few tagged objects, so that ``decode(encode(x)) == x`` w
 types::
 
     tuple            -> {"$tuple": [...]}
+    int beyond ±(2**53 - 1)
+                     -> {"$int": "<decimal digits>"}   (JSON numbers are doubles, §3.6)
     float nan/±inf   -> {"$float": "nan" | "inf" | "-inf"}
     dict, non-str keys (or a key starting with "$")
                      -> {"$dict": [[key, value], ...]}
@@ -23,6 +25,7 @@ import sys
 from typing import Any
 
 from ucformat.dtypes import dtype_name, torch_dtype
+from ucformat.jcs import MAX_SAFE_INTEGER
 
 __all__ = [
     "NotRepresentable", "Shown", "decode", "decode_for_display", "describe_type", "encode",
@@ -41,6 +44,8 @@ def encode(value: Any) -> JSON:
     if value is None or isinstance(value, (bool, str)):
         return value
     if isinstance(value, int):
+        if abs(value) > MAX_SAFE_INTEGER:
+            return {"$int": str(int(value))}
         return int(value)
     if isinstance(value, float):
         if math.isfinite(value):
@@ -103,6 +108,8 @@ def _decode(data: JSON, *, shown: bool) -> Any:
             return tuple(_decode(v, shown=shown) for v in body)
         if tag == "$float":
             return float(body)
+        if tag == "$int":
+            return int(body)
         if tag == "$dict":
             return {_hashable(_decode(k, shown=shown)): _decode(v, shown=shown) for k, v in body}
         if tag == "$dtype":

@@ -23,7 +23,7 @@ from ucformat.errors import ParamNotFoundError
 from ucformat.layout.chunking import chunk_aligned_range
 from ucformat.layout.ranges import flat_range_to_boxes
 from ucformat.models import ArrayRef, CheckpointManifest, ScalarState
-from ucformat.spec import BUFFER_STATE, FP32_STATE, shard_object_key
+from ucformat.spec import BUFFER_STATE, FP32_STATE, VALUE_STATE, shard_object_key
 from ucformat.store.arrays import Array, array_from_manifest, read_box
 from ucformat.store.checked import CheckedStore, IOStats
 from ucformat.store.direct.memory import prefaulted_empty
@@ -105,6 +105,8 @@ class UniversalCheckpoint:
                 f"({len(self.manifest.params)} params; see 'ucformat inspect')."
             )
         ref = entry.states.get(state)
+        if ref is None and state == FP32_STATE and not entry.requires_grad:
+            ref = entry.states.get(VALUE_STATE)  # a frozen parameter's value (format 2)
         if ref is None:
             available = sorted([*entry.states, *entry.scalars])
             raise ParamNotFoundError(
@@ -129,7 +131,8 @@ class UniversalCheckpoint:
     def read(self, name: str, state: str) -> Any:
         """The full value of ``state`` of ``name`` in the parameter's shape.
 
-        ``"fp32"`` is the fp32 master weight (frozen parameters: their value upcast to fp32);
+        ``"fp32"`` is the fp32 master weight (frozen parameters: their ``"value"``, in their own
+        dtype, upcast to fp32);
         optimizer states keep the optimizer's key names; scalar states such as ``"step"``
         come back with their original type; buffers are read with state ``"buffer"``.
         """

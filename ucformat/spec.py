@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Final
 
 __all__ = [
@@ -12,22 +13,34 @@ __all__ = [
     "FP32_STATE",
     "MANIFEST_KEY",
     "PARAMS_PREFIX",
+    "KNOWN_MINOR",
     "STEP_STATE",
+    "VALUE_STATE",
+    "MAX_NAME_BYTES",
     "buffer_array_path",
+    "name_problem",
     "state_array_path",
 ]
 
 FORMAT_NAME: Final = "ucformat"
-#: Major.minor. Readers accept any minor of their major and refuse a newer major.
-FORMAT_VERSION = "1.0"
+#: Major.minor written by this implementation (docs/format.md §5). Readers accept any minor of
+#: a major they know and refuse a newer major.
+FORMAT_VERSION = "2.0"
+#: Per major this implementation reads: the newest minor whose members it knows. A manifest of
+#: a newer minor may hold members it does not know; they are ignored, and digested (§3.7, §5).
+#: Format 1 differs from 2 only in its digest rule and in the state name of frozen parameters.
+KNOWN_MINOR: dict[int, int] = {1: 0, 2: 0}
 #: Key of the manifest in the store root. Written last; its presence marks the store complete.
 MANIFEST_KEY = "ucformat.json"
 PARAMS_PREFIX = "params"
 BUFFERS_PREFIX = "buffers"
-#: State name of the fp32 master weights (frozen params: their losslessly stored values).
+#: State name of the fp32 master weights of trainable parameters. Readers also answer it for
+#: a frozen parameter, with its value upcast to float32 (format 1 stored that value under it).
 FP32_STATE = "fp32"
 #: The state name under which readers return a buffer (buffers have no optimizer states).
 BUFFER_STATE = "buffer"
+#: State name of a frozen parameter's value, stored in the parameter's own dtype (format 2).
+VALUE_STATE = "value"
 #: Optimizer step counter; kept in the manifest as a scalar, never as an array.
 STEP_STATE = "step"
 
@@ -50,3 +63,41 @@ def shard_object_key(array_path: str, coords: tuple[int, ...]) -> str:
     readers compute it without building a zarr array.
     """
     return "/".join([array_path, "c", *map(str, coords)])
+
+
+#: A name is one key component; local stores make it a file name, and file systems allow 255.
+MAX_NAME_BYTES = 255
+_STATE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
+_FORBIDDEN = re.compile(r"[/\\\x00-\x1f\x7f]")
+
+
+def name_problem(name: str, kind: str) -> str | None:
+    """Why ``name`` may not name a ``kind`` (``"parameter"``, ``"buffer"`` or ``"state"``), or
+    None when docs/format.md §2.4 admits it.
+
+    Parameter and buffer names are ``.``-separated non-empty components of Unicode characters
+    other than ``/``, ``\\`` and control characters, not starting with ``__`` and not
+    ``zarr.json``, at most :data:`MAX_NAME_BYTES` bytes of UTF-8; state names are identifiers
+    (``[A-Za-z_][A-Za-z0-9_]*``) other than ``step``. The key is the name's UTF-8, unescaped.
+    """
+    if kind == "state":
+        if not _STATE_NAME.match(name):
+            return "a state name must be an identifier ([A-Za-z_][A-Za-z0-9_]*)"
+        if name == STEP_STATE:
+            return f"'{STEP_STATE}' is a scalar state, never an array"
+        return None
+    try:
+        size = len(name.encode("utf-8"))
+    except UnicodeEncodeError:
+        return "it holds a lone surrogate, which is not a Unicode character"
+    if not name or "" in name.split("."):
+        return "it has an empty '.'-separated component"
+    if _FORBIDDEN.search(name):
+        return "it holds '/', '\\' or a control character"
+    if name.startswith("__"):
+        return "zarr reserves names starting with '__'"
+    if name == "zarr.json":
+        return "it is the name of zarr's metadata objects"
+    if size > MAX_NAME_BYTES:
+        return f"it is {size} bytes of UTF-8, more than {MAX_NAME_BYTES}"
+    return None

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ucformat.models import CheckpointManifest
+from ucformat.models import ArrayRef, CheckpointManifest, ParamEntry
 from ucformat.pyvalue import decode_for_display
+from ucformat.spec import FP32_STATE
 
 __all__ = ["ParamRow", "StoreSummary", "format_bytes", "summarize"]
 
@@ -80,7 +81,7 @@ def summarize(manifest: CheckpointManifest) -> StoreSummary:
             dtype=entry.dtype,
             group="frozen" if entry.group is None else str(entry.group),
             trainable=entry.requires_grad,
-            states=(*entry.states, *entry.scalars),
+            states=(*(_state_label(s, r, entry) for s, r in entry.states.items()), *entry.scalars),
             nbytes=sum(ref.nbytes for ref in entry.states.values()),
             aliases=tuple(entry.aliases),
         )
@@ -107,3 +108,14 @@ def summarize(manifest: CheckpointManifest) -> StoreSummary:
         "stored": f"{format_bytes(stored)} uncompressed",
     }
     return StoreSummary(header, rows, groups, buffers, totals)
+
+
+def _state_label(state: str, ref: ArrayRef, entry: ParamEntry) -> str:
+    """A state as ``inspect`` lists it: its name, and its dtype unless float32.
+
+    A frozen parameter's value is ``value`` in format 2; format 1 stored it under ``fp32`` in
+    its own dtype, which the label says rather than let the name suggest float32.
+    """
+    if state == FP32_STATE and not entry.requires_grad:
+        return f"fp32 ({ref.dtype} value, format-1 name)" if ref.dtype != "float32" else state
+    return state if ref.dtype == "float32" else f"{state} ({ref.dtype})"

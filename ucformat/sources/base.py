@@ -81,6 +81,16 @@ class SourceCheckpoint:
     client_state: ClientState
     files: list[TorchFile] = field(default_factory=list, repr=False)
 
+    def check_integrity(self) -> int:
+        """Check every storage member read so far against its file's zip CRC-32.
+
+        Returns the number of members checked.
+
+        Raises:
+            SourceChecksumError: a source file was damaged after it was written.
+        """
+        return sum(handle.check_integrity() for handle in self.files)
+
     def close(self) -> None:
         """Close every open source file."""
         for handle in self.files:

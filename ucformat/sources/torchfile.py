@@ -9,6 +9,11 @@ disk until someone reads a range of them with :meth:`TensorRef.read_into`.
 
 So a 10 GB optimizer shard costs a few KB of memory to open, and each byte is read from disk
 exactly when it is copied to its destination.
+
+Integrity: ``data.pkl`` is read whole and checked against its zip CRC-32 by :mod:`zipfile`.
+Storage bytes are checksummed as they are read (:class:`~ucformat.sources.zipcrc.MemberCrc`),
+and :meth:`TorchFile.check_integrity` compares every storage member read with the CRC-32 the
+archive recorded, so a bit flip in a shard file is an error, never a silently converted value.
 """
 
 from __future__ import annotations
@@ -25,8 +30,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ucformat.dtypes import numpy_storage_dtype, storage_to_torch, torch_dtype
-from ucformat.errors import TruncatedFileError, UnsupportedCheckpointError
+from ucformat.errors import SourceChecksumError, TruncatedFileError, UnsupportedCheckpointError
 from ucformat.sources.safe_unpickle import PicklePolicy, StorageRef, load_pickle
+from ucformat.sources.zipcrc import MemberCrc
 from ucformat.store.direct.fileio import preadv_all
 
 if TYPE_CHECKING:  # reading a checkpoint needs no torch; only materialising a tensor does
@@ -49,6 +55,8 @@ class TorchFile:
     _members: dict[str, zipfile.ZipInfo] = field(repr=False)
     _prefix: str = field(repr=False)
     _data_offsets: dict[str, tuple[int, int]] = field(default_factory=dict, repr=False)
+    #: Storage key -> CRC of the pieces read so far; None: checksums are not computed.
+    _crcs: dict[str, MemberCrc] | None = field(default_factory=dict, repr=False)
 
     def storage_span(self, key: str) -> tuple[int, int]:
         """``(file offset, byte length)`` of storage ``key``'s bytes."""
@@ -77,6 +85,8 @@ class TorchFile:
                 f"file has only {self.size} bytes; the file is truncated."
             )
         span = (offset, info.file_size)
+        if self._crcs is not None:
+            self._crcs.setdefault(key, MemberCrc(info.file_size))
         self._data_offsets[key] = span
         return span
 
@@ -99,6 +109,40 @@ class TorchFile:
             )
         if preadv_all(self._fd, views, offset + start) != total:
             raise TruncatedFileError(f"{self.path}: unexpected end of file.")
+        if self._crcs is not None:
+            self._crcs[key].add(start, views)
+
+    def check_integrity(self) -> int:
+        """Compare each storage member read so far with the CRC-32 the archive recorded.
+
+        Bytes of those members that were never read (padding) are read now. Returns the number
+        of members checked (0 when the file was opened with ``check_crc=False``).
+
+        Raises:
+            SourceChecksumError: a member's bytes differ from what ``torch.save`` wrote.
+        """
+        if self._crcs is None:
+            return 0
+        for key, member in sorted(self._crcs.items()):
+            offset, _ = self.storage_span(key)
+            name = f"{self._prefix}data/{key}"
+
+            def read(start: int, length: int, base: int = offset) -> bytes:
+                return os.pread(self._fd, length, base + start)
+
+            try:
+                found = member.value(read)
+            except EOFError:
+                raise TruncatedFileError(f"{self.path}: unexpected end of file.") from None
+            recorded = self._members[name].CRC
+            if found != recorded:
+                raise SourceChecksumError(
+                    f"{self.path}: zip member '{name}' (tensor storage '{key}') fails its CRC-32 "
+                    f"(archive says {recorded:08x}, bytes give {found:08x}): the file was "
+                    "damaged after torch.save wrote it. Restore it from a good copy, or pass "
+                    "--no-check-source to use it anyway."
+                )
+        return len(self._crcs)
 
     def close(self) -> None:
         """Release the file descriptor."""
@@ -219,11 +263,19 @@ class TensorRef:
         return base.as_strided(self.shape, self.stride, self.offset).clone()
 
 
-def open_torch_file(path: Path, policy: PicklePolicy | None = None) -> TorchFile:
+def open_torch_file(
+    path: Path, policy: PicklePolicy | None = None, *, check_crc: bool = True
+) -> TorchFile:
     """Open a ``torch.save`` zip file and decode its object tree with the restricted unpickler.
+
+    Args:
+        path: the file.
+        policy: which pickle globals to admit beyond the allow-list.
+        check_crc: checksum storage bytes as they are read, for :meth:`TorchFile.check_integrity`.
 
     Raises:
         TruncatedFileError: the file is not a complete zip archive or lacks ``data.pkl``.
+        SourceChecksumError: ``data.pkl`` fails its CRC-32.
         UnsafePickleError: the pickle references a global outside the allow-list.
     """
     size = path.stat().st_size
@@ -240,12 +292,25 @@ def open_torch_file(path: Path, policy: PicklePolicy | None = None) -> TorchFile
             _check_byteorder(path, archive, members, prefix)
             payload = archive.read(pickles[0])
     except zipfile.BadZipFile as exc:
+        if "CRC" in str(exc):
+            raise SourceChecksumError(
+                f"{path}: {exc}: the file was damaged after torch.save wrote it; restore it from "
+                "a good copy."
+            ) from None
         raise TruncatedFileError(
             f"{path}: not a complete zip archive ({exc}); the file is truncated, damaged, or "
             "not written by torch.save."
         ) from None
     fd = os.open(path, os.O_RDONLY)
-    handle = TorchFile(path=path, size=size, obj=None, _fd=fd, _members=members, _prefix=prefix)
+    handle = TorchFile(
+        path=path,
+        size=size,
+        obj=None,
+        _fd=fd,
+        _members=members,
+        _prefix=prefix,
+        _crcs={} if check_crc else None,
+    )
     try:
         handle.obj = load_pickle(
             payload,

@@ -6,6 +6,7 @@
 * :mod:`~ucformat.store.checked`: :class:`~ucformat.store.checked.CheckedStore`, the reading
   wrapper (byte counts, shard-index cache, missing-object errors);
 * :mod:`~ucformat.store.arrays`: the codec chain, array creation, writes and checked box reads;
+* :mod:`~ucformat.store.durable`: fsync a local store around the commit;
 * :mod:`~ucformat.store.direct`: the fast shard path that reads and writes shard objects
   without zarr's codec pipeline.
 

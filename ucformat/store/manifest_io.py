@@ -4,9 +4,10 @@ Commit protocol: every array is written first; the manifest is written last, as 
 (atomic rename on local disk, a single PUT on object stores). A store without a manifest is
 incomplete by definition and every reader refuses it.
 
-The manifest carries ``digest``: the sha256 of its canonical JSON (sorted keys, no whitespace)
-with ``digest`` itself set to null, so an edited manifest is detected; a manifest without one
-is refused too.
+The manifest carries ``digest``: the sha256 of its canonical JSON with ``digest`` itself set to
+null, so an edited manifest is detected; a manifest without one is refused too. Format 2 uses
+RFC 8785 (:mod:`ucformat.jcs`); format 1 stores keep format 1's rule (Python's ``json.dumps``
+with sorted keys), so they stay readable (docs/format.md §3.7).
 """
 
 from __future__ import annotations
@@ -25,8 +26,10 @@ from ucformat.errors import (
     NotAStoreError,
     UnsupportedVersionError,
 )
-from ucformat.models import CheckpointManifest
-from ucformat.spec import FORMAT_NAME, FORMAT_VERSION, MANIFEST_KEY
+from ucformat.jcs import canonicalize
+from ucformat.models import IGNORE_UNKNOWN, CheckpointManifest
+from ucformat.spec import FORMAT_NAME, FORMAT_VERSION, KNOWN_MINOR, MANIFEST_KEY
+from ucformat.store.durable import sync_tree, write_file_durably
 from ucformat.store.locations import existing_store_directory, local_directory
 
 if TYPE_CHECKING:
@@ -42,6 +45,7 @@ __all__ = [
     "commit_manifest",
     "digest_matches",
     "document_digest",
+    "is_newer_minor",
     "load_manifest",
     "manifest_digest",
     "parse_manifest",
@@ -54,29 +58,66 @@ ROOT_KEY = "zarr.json"
 
 
 def manifest_digest(manifest: CheckpointManifest) -> str:
-    """sha256 (hex) of the canonical JSON of ``manifest`` with ``digest`` cleared."""
+    """``sha256:<hex>`` of ``manifest`` with ``digest`` cleared, by its version's rule (§3.7)."""
     return document_digest(manifest.model_dump(mode="json"))
 
 
 def document_digest(document: Mapping[str, Any]) -> str:
     """The digest of a manifest as stored: its parsed JSON object, ``digest`` cleared (§3.7).
 
-    Computed on the stored document, not on a re-serialised model, so that a reader that knows
-    optional fields with defaults the writer did not have computes the writer's digest.
+    Computed on the stored document, not on a re-serialised model, so members a reader does not
+    know (a newer minor version) are digested too, and a reader that knows optional fields with
+    defaults the writer did not have computes the writer's digest. Format 2 and later: SHA-256
+    of the RFC 8785 canonical form; format 1: of Python's ``json.dumps(sort_keys=True,
+    separators=(",", ":"))`` (ASCII escapes).
+
+    Raises:
+        ManifestError: the document has no canonical form (a non-finite number, an integer
+            beyond ±(2**53 - 1), a lone surrogate).
     """
-    canonical = json.dumps(
-        {**document, "digest": None}, sort_keys=True, separators=(",", ":"), allow_nan=False
-    )
-    return "sha256:" + hashlib.sha256(canonical.encode()).hexdigest()
+    body = {**document, "digest": None}
+    major = _major(document.get("format_version"))
+    try:
+        if major == 1:
+            canonical = json.dumps(
+                body, sort_keys=True, separators=(",", ":"), allow_nan=False
+            ).encode()
+        else:
+            canonical = canonicalize(body)
+    except ValueError as exc:  # CanonicalizationError is one
+        raise ManifestError(
+            f"the manifest has no canonical JSON form, so no digest ({exc}); a writer must not "
+            "write such values."
+        ) from None
+    return "sha256:" + hashlib.sha256(canonical).hexdigest()
 
 
-def commit_manifest(store: Store, manifest: CheckpointManifest) -> CheckpointManifest:
-    """Stamp ``manifest`` with its digest and write it as the store's last object."""
+def _major(version: object) -> int | None:
+    major = str(version).partition(".")[0]
+    return int(major) if major.isdigit() else None
+
+
+def commit_manifest(
+    store: Store, manifest: CheckpointManifest, *, durable: bool = True
+) -> CheckpointManifest:
+    """Stamp ``manifest`` with its digest and write it as the store's last object.
+
+    On a local directory store with ``durable`` (docs/format.md §6), every file and directory
+    already in the store is fsynced first, then the manifest is written to a temporary file,
+    fsynced, renamed into place and the root directory fsynced: once this returns, a power loss
+    cannot leave a committed manifest whose shards were lost. Other stores get one ``set``.
+    """
+    from ucformat.store.direct.objects import local_file
     from ucformat.store.keys import write_key
 
     stamped = manifest.model_copy(update={"digest": manifest_digest(manifest)})
-    text = stamped.model_dump_json(indent=1)
-    write_key(store, MANIFEST_KEY, text.encode())
+    payload = stamped.model_dump_json(indent=1).encode()
+    path = local_file(store, MANIFEST_KEY) if durable else None
+    if path is None:
+        write_key(store, MANIFEST_KEY, payload)
+        return stamped
+    sync_tree(path.parent)
+    write_file_durably(path, payload)
     return stamped
 
 
@@ -177,9 +218,11 @@ def parse_manifest(payload: bytes, where: str, *, check_digest: bool = True) -> 
         raise ManifestError(
             f"{where}/{MANIFEST_KEY}: expected format '{FORMAT_NAME}', found {found!r}."
         )
-    _check_version(str(data.get("format_version", "")), where)
+    newer_minor = _check_version(str(data.get("format_version", "")), where)
     try:
-        manifest = CheckpointManifest.model_validate(data)
+        manifest = CheckpointManifest.model_validate(
+            data, context=IGNORE_UNKNOWN if newer_minor else None
+        )
     except ValidationError as exc:
         first = exc.errors()[0]
         location = ".".join(str(p) for p in first["loc"])
@@ -192,7 +235,7 @@ def parse_manifest(payload: bytes, where: str, *, check_digest: bool = True) -> 
             f"{where}/{MANIFEST_KEY}: carries no digest; ucformat writes one with every manifest, "
             "so it was edited or written by another tool. Re-run the convert."
         )
-    if check_digest and not digest_matches(data):
+    if check_digest and not _digest_matches(data, where):
         raise ManifestError(
             f"{where}/{MANIFEST_KEY}: digest mismatch; the manifest was edited after it was "
             "written. Restore it or re-run the convert."
@@ -201,17 +244,45 @@ def parse_manifest(payload: bytes, where: str, *, check_digest: bool = True) -> 
 
 
 def digest_matches(document: Mapping[str, Any]) -> bool:
-    """Whether a parsed manifest's ``digest`` is present and equals :func:`document_digest`."""
+    """Whether a parsed manifest's ``digest`` is present and equals :func:`document_digest`.
+
+    Raises:
+        ManifestError: the document has no canonical form.
+    """
     return document.get("digest") is not None and document["digest"] == document_digest(document)
 
 
-def _check_version(version: str, where: str) -> None:
-    major, _, _ = version.partition(".")
-    ours, _, _ = FORMAT_VERSION.partition(".")
-    if not major.isdigit():
-        raise ManifestError(f"{where}/{MANIFEST_KEY}: bad format_version {version!r}.")
-    if int(major) > int(ours):
+def _digest_matches(document: Mapping[str, Any], where: str) -> bool:
+    try:
+        return digest_matches(document)
+    except ManifestError as exc:
+        raise ManifestError(f"{where}/{MANIFEST_KEY}: {exc}") from None
+
+
+def is_newer_minor(version: str) -> bool:
+    """Whether ``version`` (of a readable major) is newer than the minor this reader knows."""
+    major, _, minor = version.partition(".")
+    known = KNOWN_MINOR.get(int(major)) if major.isdigit() else None
+    return known is not None and minor.isdigit() and int(minor) > known
+
+
+def _check_version(version: str, where: str) -> bool:
+    """Refuse a version this reader cannot read; True for a newer minor of a known major."""
+    major, dot, minor = version.partition(".")
+    if not (major.isdigit() and dot and minor.isdigit()):
+        raise ManifestError(
+            f"{where}/{MANIFEST_KEY}: bad format_version {version!r}; expected 'MAJOR.MINOR'."
+        )
+    newest = max(KNOWN_MINOR)
+    if int(major) > newest:
         raise UnsupportedVersionError(
             f"{where}: written in ucformat format {version}, but this ucformat reads format "
-            f"{ours}.x; upgrade ucformat to read it."
+            f"{newest}.x at most (it writes {FORMAT_VERSION}); upgrade ucformat to read it."
         )
+    known = KNOWN_MINOR.get(int(major))
+    if known is None:
+        raise UnsupportedVersionError(
+            f"{where}: format_version {version} is not a ucformat format version; this ucformat "
+            f"reads formats {', '.join(f'{m}.x' for m in sorted(KNOWN_MINOR))}."
+        )
+    return is_newer_minor(version)

@@ -115,22 +115,30 @@ _MISSING = "<absent>"
 
 
 def document_differences(
-    found: Any, expected: Any, prefix: str = "", ignore: tuple[str, ...] = ()
+    found: Any,
+    expected: Any,
+    prefix: str = "",
+    ignore: tuple[str, ...] = (),
+    *,
+    unknown_ok: bool = False,
 ) -> Iterator[Difference]:
     """Walk two JSON documents and yield the leaf fields where they differ.
 
-    Objects are compared key by key (a key present on one side only is a difference), lists
+    Objects are compared key by key (a key present on one side only is a difference, unless
+    ``unknown_ok`` and it is only in ``found``: a member of a newer minor version, §5), lists
     and scalars as a whole, by their JSON text. ``ignore`` lists dotted field names to skip.
     """
     if prefix in ignore:
         return
     if isinstance(found, dict) and isinstance(expected, dict):
-        for key in sorted(set(found) | set(expected), key=str):
+        keys = set(expected) if unknown_ok else set(found) | set(expected)
+        for key in sorted(keys, key=str):
             yield from document_differences(
                 found.get(key, _MISSING),
                 expected.get(key, _MISSING),
                 f"{prefix}.{key}" if prefix else str(key),
                 ignore,
+                unknown_ok=unknown_ok,
             )
         return
     if _canonical(found) != _canonical(expected):

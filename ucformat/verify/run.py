@@ -58,6 +58,7 @@ from ucformat.store.locations import local_source
 from ucformat.store.manifest_io import (
     ROOT_KEY,
     digest_matches,
+    is_newer_minor,
     parse_manifest,
     read_manifest_bytes,
 )
@@ -147,7 +148,11 @@ class VerifyReport:
 
 
 def verify(
-    store: StoreLike, against: str | Path | None = None, *, opaque_globals: Iterable[str] = ()
+    store: StoreLike,
+    against: str | Path | None = None,
+    *,
+    opaque_globals: Iterable[str] = (),
+    check_source: bool = True,
 ) -> VerifyReport:
     """Check every byte of a ucformat store, optionally against its source checkpoint.
 
@@ -156,6 +161,8 @@ def verify(
         against: the DeepSpeed checkpoint the store was converted from (tag folder, or run folder
             holding the store's tag); each array is compared with it bit for bit.
         opaque_globals: pickle globals the convert needed ``--opaque-global`` for.
+        check_source: with ``against``, compare every source tensor storage read with its
+            file's zip CRC-32; a damaged source file is an error (it cannot be the reference).
 
     Returns:
         The report; ``report.ok`` is True only if every check holds.
@@ -165,6 +172,7 @@ def verify(
         NotAStoreError: ``store`` is not a ucformat store.
         IncompleteStoreError: ``store`` has no committed manifest.
         UnsupportedVersionError: ``store`` is from a newer format major version.
+        SourceChecksumError: a file of ``against`` fails its zip CRC-32.
         UCFormatError: ``against`` cannot be read.
 
     Example:
@@ -184,18 +192,21 @@ def verify(
         report.add("manifest", MANIFEST_KEY, exc.message.removeprefix(f"{where}/{MANIFEST_KEY}: "))
         return report
     arrays = _check_manifest(manifest, json.loads(payload), report)
-    _check_root(checked, manifest, report)
+    lenient = is_newer_minor(manifest.format_version)  # zarr.json may hold newer members too
+    _check_root(checked, manifest, report, lenient)
     keys = set(list_keys(checked))
     with ExitStack() as stack:
         source = None
         if against is not None:
             source = stack.enter_context(
-                replan_source(local_source(against), manifest, arrays, opaque_globals)
+                replan_source(local_source(against), manifest, arrays, opaque_globals, check_source)
             )
             for message in manifest_differences(manifest, source.plan.manifest):
                 report.add("source", MANIFEST_KEY, message)
         for array in arrays:
-            _check_array(checked, array.ref, keys, source, report)
+            _check_array(checked, array.ref, keys, source, report, lenient)
+        if source is not None:
+            source.check_integrity()
     report.bytes_read = checked.stats.bytes_read
     return report
 
@@ -220,7 +231,9 @@ def _check_manifest(
     return arrays
 
 
-def _check_root(store: Store, manifest: CheckpointManifest, report: VerifyReport) -> None:
+def _check_root(
+    store: Store, manifest: CheckpointManifest, report: VerifyReport, lenient: bool
+) -> None:
     document = _load_json(store, ROOT_KEY, ROOT_KEY, report)
     if document is None:
         return
@@ -232,7 +245,8 @@ def _check_root(store: Store, manifest: CheckpointManifest, report: VerifyReport
         },
     }
     found = {key: document.get(key) for key in expected} if isinstance(document, dict) else None
-    for difference in list(document_differences(found, expected))[:MAX_DIFFERENCES]:
+    differences = document_differences(found, expected, unknown_ok=lenient)
+    for difference in list(differences)[:MAX_DIFFERENCES]:
         report.add("metadata", ROOT_KEY, difference.describe(ROOT_KEY, "the manifest"))
 
 
@@ -256,11 +270,12 @@ def _check_array(
     keys: set[str],
     source: SourceShards | None,
     report: VerifyReport,
+    lenient: bool,
 ) -> None:
     """Check one array's ``zarr.json``, then every shard (data is read as readers do)."""
     document = _load_json(store, f"{ref.path}/{ROOT_KEY}", ref.path, report)
     if document is not None:
-        found = list(document_differences(document, expected_metadata(ref)))
+        found = list(document_differences(document, expected_metadata(ref), unknown_ok=lenient))
         for difference in found[:MAX_DIFFERENCES]:
             report.add("metadata", ref.path, difference.describe("zarr.json", "the manifest"))
     # readers build the array from the digest-checked manifest, not from its zarr.json

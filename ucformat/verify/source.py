@@ -19,6 +19,7 @@ import numpy as np
 from ucformat.layout.chunking import Chunking
 from ucformat.models import ArrayRef, CheckpointManifest
 from ucformat.plan import ConvertOptions, ConvertPlan, WriteUnit, plan_convert
+from ucformat.sources.base import SourceCheckpoint
 from ucformat.sources.deepspeed.checkpoint import read_deepspeed_checkpoint
 from ucformat.sources.safe_unpickle import PicklePolicy
 from ucformat.verify.checks import ManifestArray
@@ -34,6 +35,15 @@ class SourceShards:
     plan: ConvertPlan
     refs: dict[str, ArrayRef]
     units: dict[str, dict[int, WriteUnit]]
+    source: SourceCheckpoint
+
+    def check_integrity(self) -> None:
+        """Check every source storage read against its file's zip CRC-32 (§10, step 6).
+
+        Raises:
+            SourceChecksumError: a source file was damaged after it was written.
+        """
+        self.source.check_integrity()
 
     def expected(self, path: str, flat_start: int) -> np.ndarray | None:
         """The values (storage dtype, flat) the shard starting at ``flat_start`` must hold."""
@@ -49,6 +59,7 @@ def replan_source(
     manifest: CheckpointManifest,
     arrays: Iterable[ManifestArray],
     opaque_globals: Iterable[str] = (),
+    check_crc: bool = True,
 ) -> Iterator[SourceShards]:
     """Open ``src`` and plan it in the layout of ``manifest``'s arrays; close it on exit.
 
@@ -67,14 +78,16 @@ def replan_source(
     }
     compressors = {ref.compressor for ref in refs}
     options = ConvertOptions(
-        compressor=compressors.pop() if len(compressors) == 1 else "none", layouts=layouts
+        compressor=compressors.pop() if len(compressors) == 1 else "none",
+        layouts=layouts,
+        format_version=manifest.format_version,
     )
     names = frozenset(opaque_globals)
     policy = PicklePolicy(opaque_globals=names - {"*"}, all_unknown_opaque="*" in names)
     tag = manifest.source.tag if (src / manifest.source.tag).is_dir() else None
-    with read_deepspeed_checkpoint(src, tag, policy) as source:
+    with read_deepspeed_checkpoint(src, tag, policy, check_crc=check_crc) as source:
         plan = plan_convert(source, options)
         units: dict[str, dict[int, WriteUnit]] = {ref.path: {} for ref in plan.arrays}
         for unit in plan.units:
             units[plan.arrays[unit.array].path][unit.flat_start] = unit
-        yield SourceShards(plan, {ref.path: ref for ref in plan.arrays}, units)
+        yield SourceShards(plan, {ref.path: ref for ref in plan.arrays}, units, source)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from math import prod
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from pydantic import ValidationError
 
@@ -45,7 +45,7 @@ from ucformat.sources.deepspeed.states import (
 )
 from ucformat.sources.safe_unpickle import PicklePolicy, StandIn
 from ucformat.sources.torchfile import TensorRef, TorchFile, open_torch_file
-from ucformat.spec import FP32_STATE
+from ucformat.spec import FP32_STATE, VALUE_STATE
 
 __all__ = ["read_deepspeed_checkpoint"]
 
@@ -63,11 +63,17 @@ _REQUIRED_KEYS = ("module", "param_shapes", "dp_world_size")
 
 
 def read_deepspeed_checkpoint(
-    src: Path, tag: str | None = None, policy: PicklePolicy | None = None
+    src: Path,
+    tag: str | None = None,
+    policy: PicklePolicy | None = None,
+    *,
+    check_crc: bool = True,
 ) -> SourceCheckpoint:
     """Open and describe a DeepSpeed ZeRO checkpoint (tag folder or run folder with ``latest``).
 
     The returned object holds open file handles; close it (or use it as a context manager).
+    With ``check_crc``, storage bytes are checksummed as they are read and
+    :meth:`SourceCheckpoint.check_integrity` compares them with the files' zip CRC-32s.
     """
     folder, tag_name = locate_tag_folder(Path(src), tag)
     try:
@@ -77,8 +83,8 @@ def read_deepspeed_checkpoint(
         raise
     handles: list[TorchFile] = []
     try:
-        models = [_open(p, policy, handles) for p in files.model_files]
-        optim = [_open(p, policy, handles) for p in files.optim_files]
+        models = [_open(p, policy, handles, check_crc) for p in files.model_files]
+        optim = [_open(p, policy, handles, check_crc) for p in files.optim_files]
         return _describe(files, models, optim, handles)
     except UCFormatError:
         _close(handles)
@@ -115,8 +121,10 @@ def _check_model_file(folder: Path, policy: PicklePolicy | None) -> None:
             return
 
 
-def _open(path: Path, policy: PicklePolicy | None, handles: list[TorchFile]) -> TorchFile:
-    handle = open_torch_file(path, policy)
+def _open(
+    path: Path, policy: PicklePolicy | None, handles: list[TorchFile], check_crc: bool
+) -> TorchFile:
+    handle = open_torch_file(path, policy, check_crc=check_crc)
     handles.append(handle)
     return handle
 
@@ -129,7 +137,7 @@ def _model_meta(handle: TorchFile) -> Mapping[str, Any]:
             f"{handle.path}: missing key(s) {', '.join(repr(k) for k in missing)}; not a "
             "DeepSpeed ZeRO model-states file."
         )
-    return meta
+    return cast("Mapping[str, Any]", meta)
 
 
 def _describe(
@@ -282,7 +290,7 @@ def _frozen(array: ArraySource) -> SourceParam:
         dtype=array.dtype,
         requires_grad=False,
         group=None,
-        arrays={FP32_STATE: array},
+        arrays={VALUE_STATE: array},
     )
 
 

@@ -1,0 +1,145 @@
+"""RFC 8785 JSON Canonicalization Scheme (JCS): one byte string per JSON value.
+
+The digest of a format-2 manifest (docs/format.md §3.7) is the SHA-256 of these bytes, so any
+language can recompute it: objects have their members sorted by the UTF-16 code units of their
+names, no whitespace is written, strings are escaped minimally and the text is UTF-8, and numbers
+are written as ECMAScript's ``Number.prototype.toString`` writes an IEEE-754 double.
+
+Input is the Python form of parsed JSON (``dict`` with ``str`` keys, ``list``, ``str``, ``int``,
+``float``, ``bool``, ``None``). Integers are JSON numbers, that is doubles: one outside
+``±(2**53 - 1)`` has no exact canonical form and is refused, as are NaN, infinities and strings
+holding lone surrogates (not Unicode scalar values). Stdlib only.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+__all__ = ["MAX_SAFE_INTEGER", "CanonicalizationError", "canonicalize", "format_number"]
+
+#: Largest integer every double-based JSON parser reads exactly (I-JSON, RFC 7493 §2.2).
+MAX_SAFE_INTEGER = 2**53 - 1
+
+_SHORT_ESCAPES = {'"': '\\"', "\\": "\\\\", "\b": "\\b", "\f": "\\f", "\n": "\\n", "\r": "\\r",
+                  "\t": "\\t"}  # fmt: skip
+
+
+class CanonicalizationError(ValueError):
+    """The value has no RFC 8785 form (non-finite number, unsafe integer, lone surrogate...)."""
+
+
+def canonicalize(value: Any) -> bytes:
+    """The RFC 8785 canonical UTF-8 bytes of the JSON value ``value``.
+
+    Raises:
+        CanonicalizationError: ``value`` holds something JSON cannot carry exactly.
+    """
+    parts: list[str] = []
+    _emit(value, parts)
+    text = "".join(parts)
+    try:
+        return text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise CanonicalizationError(
+            "a string holds a lone UTF-16 surrogate, which is not a Unicode character"
+        ) from None
+
+
+def _emit(value: Any, out: list[str]) -> None:
+    if value is None:
+        out.append("null")
+    elif value is True:
+        out.append("true")
+    elif value is False:
+        out.append("false")
+    elif isinstance(value, str):
+        out.append(_quote(value))
+    elif isinstance(value, int):
+        if abs(value) > MAX_SAFE_INTEGER:
+            raise CanonicalizationError(
+                f"integer {value} is outside ±(2**53 - 1): JSON parsers read it as a rounded "
+                "double, so it has no exact canonical form"
+            )
+        out.append(str(int(value)))
+    elif isinstance(value, float):
+        out.append(format_number(value))
+    elif isinstance(value, Mapping):
+        for key in value:
+            if not isinstance(key, str):
+                raise CanonicalizationError(f"object member name {key!r} is not a string")
+        out.append("{")
+        for index, key in enumerate(sorted(value, key=_utf16_units)):
+            if index:
+                out.append(",")
+            out.append(_quote(key))
+            out.append(":")
+            _emit(value[key], out)
+        out.append("}")
+    elif isinstance(value, Sequence) and not isinstance(value, (bytes, bytearray)):
+        out.append("[")
+        for index, item in enumerate(value):
+            if index:
+                out.append(",")
+            _emit(item, out)
+        out.append("]")
+    else:
+        raise CanonicalizationError(f"{type(value).__name__} is not a JSON value")
+
+
+def _utf16_units(name: str) -> bytes:
+    """Sort key: the name's UTF-16 code units, compared as unsigned 16-bit numbers."""
+    return name.encode("utf-16-be", "surrogatepass")
+
+
+def _quote(text: str) -> str:
+    """A JSON string literal: only ``"``, ``\\`` and C0 controls escaped (RFC 8785 §3.2.2.2)."""
+    pieces = ['"']
+    for char in text:
+        escaped = _SHORT_ESCAPES.get(char)
+        if escaped is not None:
+            pieces.append(escaped)
+        elif char < " ":
+            pieces.append(f"\\u{ord(char):04x}")
+        else:
+            pieces.append(char)
+    pieces.append('"')
+    return "".join(pieces)
+
+
+def format_number(number: float) -> str:
+    """``Number.prototype.toString`` of a finite double (ECMA-262 Number::toString, radix 10).
+
+    With ``s`` the shortest digit string that reads back as ``number``, ``k`` its length and
+    ``n`` such that ``number = s * 10**(n - k)``: integers up to 21 digits are written out,
+    ``0 < n <= 21`` puts the point inside the digits, ``-6 < n <= 0`` writes ``0.000ddd``, and
+    anything else is ``d[.ddd]e±x``. Negative zero is ``0``.
+
+    Raises:
+        CanonicalizationError: ``number`` is NaN or infinite.
+    """
+    if not math.isfinite(number):
+        raise CanonicalizationError(f"{number} is not a JSON number (NaN and infinities are not)")
+    if number == 0:
+        return "0"
+    sign = "-" if number < 0 else ""
+    mantissa, _, exponent = repr(abs(number)).partition("e")  # repr: the shortest round trip
+    whole, _, fraction = mantissa.partition(".")
+    digits = (whole + fraction).lstrip("0")
+    point = len(whole) + (int(exponent) if exponent else 0)  # decimal point after `point` digits
+    point -= len(whole + fraction) - len((whole + fraction).lstrip("0"))
+    digits = digits.rstrip("0")
+    k, n = len(digits), point
+    if k <= n <= 21:
+        body = digits + "0" * (n - k)
+    elif 0 < n <= 21:
+        body = f"{digits[:n]}.{digits[n:]}"
+    elif -6 < n <= 0:
+        body = "0." + "0" * -n + digits
+    else:
+        power = n - 1
+        mark = "+" if power >= 0 else "-"
+        head = digits[0] if k == 1 else f"{digits[0]}.{digits[1:]}"
+        body = f"{head}e{mark}{abs(power)}"
+    return sign + body

@@ -1,0 +1,76 @@
+"""Durability of a local store's commit (docs/format.md §6): fsync before and after the manifest.
+
+Renaming the manifest into place makes the commit atomic, but not durable: after a power loss
+the file system may have kept the rename and lost shard data written before it. So, on a local
+directory store, :func:`sync_tree` flushes every file and then every directory of the store
+(deepest first: a directory's entries, i.e. the renames that named its files, are durable once
+the directory is fsynced), and :func:`write_file_durably` writes the manifest to a temporary
+file, fsyncs it, renames it over its name and fsyncs the directory.
+
+Object stores need none of this (a successful PUT is durable and atomic); other stores get
+what their backend gives.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = ["SyncStats", "fsync_path", "sync_tree", "write_file_durably"]
+
+#: fsync calls in flight at once (each releases the GIL; the disk queues them).
+SYNC_WORKERS = 8
+
+
+@dataclass(frozen=True)
+class SyncStats:
+    """What :func:`sync_tree` flushed."""
+
+    files: int
+    directories: int
+
+
+def fsync_path(path: Path, *, directory: bool = False) -> None:
+    """``fsync`` the file or directory at ``path``."""
+    flags = os.O_RDONLY | (os.O_DIRECTORY if directory else 0)
+    fd = os.open(path, flags)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def sync_tree(root: Path, *, workers: int = SYNC_WORKERS) -> SyncStats:
+    """fsync every regular file under ``root``, then every directory, deepest first, root last."""
+    files: list[Path] = []
+    directories: list[Path] = []
+    for folder, _, names in os.walk(root, topdown=False):  # children before their parent
+        base = Path(folder)
+        files.extend(base / name for name in names if (base / name).is_file())
+        directories.append(base)
+    with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
+        list(pool.map(fsync_path, files))
+    for directory in directories:  # in order: a parent after all its children
+        fsync_path(directory, directory=True)
+    return SyncStats(len(files), len(directories))
+
+
+def write_file_durably(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` atomically and durably: temp file, fsync, rename, fsync dir."""
+    partial = path.with_name(f"{path.stem}.{uuid.uuid4().hex}.partial")
+    fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+        os.fsync(fd)
+    except BaseException:
+        os.close(fd)
+        partial.unlink(missing_ok=True)
+        raise
+    os.close(fd)
+    partial.replace(path)
+    fsync_path(path.parent, directory=True)
