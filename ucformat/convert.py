@@ -23,7 +23,14 @@ from ucformat.store.keys import StoreLike, delete_key, list_keys, open_store
 from ucformat.store.manifest_io import ROOT_KEY, commit_manifest
 from ucformat.writer import DEFAULT_WORKERS, create_arrays, write_units
 
-__all__ = ["ConvertHooks", "convert", "plan_from_source"]
+__all__ = [
+    "ConvertHooks",
+    "convert",
+    "convert_options",
+    "discard_store",
+    "plan_from_source",
+    "start_store",
+]
 
 #: What zarr's LocalStore leaves at the root when killed while writing a root object.
 _PARTIAL_ROOT = re.compile(r"^(zarr|ucformat)\.[0-9a-f]{32}\.partial$")
@@ -97,23 +104,47 @@ def convert(
         if dry_run:
             return plan.manifest
         store = open_store(dst, read_only=False)
-        created = _prepare_destination(store, overwrite)
+        created = start_store(store, overwrite)
         try:
-            zarr.create_group(
-                store,
-                overwrite=True,
-                zarr_format=3,
-                attributes={
-                    FORMAT_NAME: {"format_version": FORMAT_VERSION, "manifest": MANIFEST_KEY}
-                },
-            )
             arrays = create_arrays(store, plan)
             write_units(plan, arrays, plan.units, workers=workers, progress=hooks.on_bytes)
         except BaseException:
-            if created and isinstance(store, LocalStore):
-                shutil.rmtree(store.root, ignore_errors=True)
+            discard_store(store, created)
             raise
         return commit_manifest(store, plan.manifest)
+
+
+def start_store(store: Store, overwrite: bool) -> bool:
+    """Empty ``store`` (see ``overwrite``) and write its root group: an uncommitted store.
+
+    Returns:
+        True if the store did not exist before (local stores), for :func:`discard_store`.
+
+    Raises:
+        StoreExistsError: the destination holds data and ``overwrite`` is off, or it holds
+            something that is not a ucformat store.
+    """
+    created = _prepare_destination(store, overwrite)
+    zarr.create_group(
+        store,
+        overwrite=True,
+        zarr_format=3,
+        attributes={FORMAT_NAME: {"format_version": FORMAT_VERSION, "manifest": MANIFEST_KEY}},
+    )
+    return created
+
+
+def discard_store(store: Store, created: bool) -> None:
+    """Remove a store a failed write created (local stores; others stay uncommitted)."""
+    if created and isinstance(store, LocalStore):
+        shutil.rmtree(store.root, ignore_errors=True)
+
+
+def convert_options(
+    chunk_bytes: int | None = None, shard_bytes: int | None = None, compressor: str = "none"
+) -> ConvertOptions:
+    """The layout options ``convert`` uses for these targets (None: the defaults)."""
+    return _options(chunk_bytes, shard_bytes, compressor)
 
 
 def _options(chunk_bytes: int | None, shard_bytes: int | None, compressor: str) -> ConvertOptions:
