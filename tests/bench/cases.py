@@ -73,6 +73,8 @@ class ModelSize:
 
 #: ~100M parameters (~1.4 GB as a ZeRO bf16 checkpoint) and ~3x that.
 SIZES: dict[str, ModelSize] = {
+    # ~28M: the live-save benchmark's size on a shared 2-core machine (docs/benchmarks.md).
+    "30m": ModelSize(hidden=512, ffn=1408, layers=6, vocab=8192),
     "100m": ModelSize(hidden=768, ffn=2048, layers=12, vocab=8192),
     "300m": ModelSize(hidden=1024, ffn=2816, layers=22, vocab=8192),
 }
