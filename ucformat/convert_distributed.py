@@ -19,18 +19,14 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch.distributed as dist
-
-from ucformat.collective import agree, group
-from ucformat.convert import ConvertHooks, _pickle_policy, convert_options
-from ucformat.distributed_write import SpreadReport, write_spread
-from ucformat.dtypes import itemsize
-from ucformat.layout.ownership import writers_by_balance
-from ucformat.plan import plan_convert
-from ucformat.sources.deepspeed.checkpoint import read_deepspeed_checkpoint
-from ucformat.store.keys import StoreLike, open_store
 from ucformat.writer import DEFAULT_WORKERS
+
+if TYPE_CHECKING:
+    from ucformat.convert import ConvertHooks
+    from ucformat.distributed_write import SpreadReport
+    from ucformat.store.keys import StoreLike
 
 __all__ = ["convert_distributed", "launched_distributed"]
 
@@ -71,6 +67,17 @@ def convert_distributed(
         DistributedWriteError: some process failed (the same error on every process); nothing
             was committed.
     """
+    import torch.distributed as dist  # here: launched_distributed() must not import torch
+
+    from ucformat.collective import agree, group
+    from ucformat.convert import ConvertHooks, _pickle_policy, convert_options
+    from ucformat.distributed_write import write_spread
+    from ucformat.dtypes import itemsize
+    from ucformat.layout.ownership import writers_by_balance
+    from ucformat.plan import plan_convert
+    from ucformat.sources.deepspeed.checkpoint import read_deepspeed_checkpoint
+    from ucformat.store.keys import open_store
+
     hooks = hooks or ConvertHooks()
     joined = False
     if not dist.is_initialized():
