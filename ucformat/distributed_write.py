@@ -259,16 +259,18 @@ def write_spread(
 
     failure: BaseException | None = None
     created = False
+    arrays: list[Any] = []
     if rank == 0:
         try:
             created = start_store(store, overwrite)
-            create_arrays(store, plan)
+            arrays = create_arrays(store, plan)
         except Exception as exc:  # every rank must learn of it, whatever it is
             failure = exc
     _raise(agree(failure, group, where), failure, lambda: _discard(rank, store, created))
 
     try:
-        arrays = [array_from_manifest(store, ref) for ref in plan.arrays]
+        if rank != 0:  # the same objects rank 0 created, opened without reading them
+            arrays = [array_from_manifest(store, ref) for ref in plan.arrays]
         runs = _remote_runs(plan, writers)
     except Exception as exc:
         failure, arrays, runs = exc, [], [[] for _ in plan.units]

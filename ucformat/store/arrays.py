@@ -170,8 +170,20 @@ def expected_metadata(ref: ArrayRef) -> dict[str, Any]:
 
 def array_from_manifest(store: Store, ref: ArrayRef) -> zarr.Array[Any]:
     """The array described by ``ref``, opened without reading its ``zarr.json``."""
-    metadata = ArrayV3Metadata.from_dict(expected_metadata(ref))
+    metadata = _metadata(
+        ref.dtype, tuple(ref.shape), tuple(ref.chunk_shape), tuple(ref.shard_shape), ref.compressor
+    )
     return zarr.Array(AsyncArray(metadata=metadata, store_path=StorePath(store, ref.path)))
+
+
+@functools.lru_cache(maxsize=256)
+def _metadata(
+    dtype: str, shape: tuple[int, ...], chunk: tuple[int, ...], shard: tuple[int, ...], comp: str
+) -> ArrayV3Metadata:
+    """Parsed array metadata, shared by the arrays of one layout (it is immutable): parsing it
+    costs milliseconds, and a model repeats a few layouts over hundreds of arrays."""
+    document = json.loads(_expected_document(dtype, shape, chunk, shard, comp))
+    return ArrayV3Metadata.from_dict(document)
 
 
 def chunk_key(array: zarr.Array[Any], coords: tuple[int, ...]) -> str:
