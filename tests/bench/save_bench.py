@@ -27,6 +27,7 @@ from tests.bench.measure import measure
 from tests.fixtures.make_fixtures import REPO_ROOT, free_port
 
 WORKER = Path(__file__).resolve().parent / "_live_save_worker.py"
+CONVERT_WORKER = Path(__file__).resolve().parent / "_convert_worker.py"
 
 
 def _env() -> dict[str, str]:
@@ -64,6 +65,15 @@ def bench_case(case: BenchCase, work: Path) -> dict[str, Any]:
         "convert_2proc": _torchrun(2, "-m", "ucformat_cli", "convert", str(native),
                                    str(out / "c2.ucf"), "-q"),
     }  # fmt: skip
+    for world in (1, 2):  # the conversion alone, timed inside the job
+        timing = out / f"convert_inside_{world}.json"
+        measure(
+            _torchrun(world, str(CONVERT_WORKER), str(native), str(out / f"i{world}.ucf"),
+                      str(timing)),
+            env=_env(), cwd=REPO_ROOT, log=out / f"inside_{world}.log", timeout_s=3600,
+        )  # fmt: skip
+        seconds = json.loads(timing.read_text())["seconds"] if timing.exists() else None
+        result["times"][f"convert_inside_{world}proc"] = seconds
     for name, cmd in tools.items():
         run = measure(cmd, env=_env(), cwd=REPO_ROOT, log=out / f"{name}.log", timeout_s=3600)
         result["times"][name] = run.wall_s if run.returncode == 0 else None
@@ -72,7 +82,8 @@ def bench_case(case: BenchCase, work: Path) -> dict[str, Any]:
     result["store_bytes"] = sum(
         p.stat().st_size for p in (out / "live.ucf").rglob("*") if p.is_file()
     )
-    for folder in ("native", "universal", "c1.ucf", "c2.ucf", "live.ucf", "async.ucf"):
+    for folder in ("native", "universal", "c1.ucf", "c2.ucf", "i1.ucf", "i2.ucf", "live.ucf",
+                   "async.ucf"):  # fmt: skip
         shutil.rmtree(out / folder, ignore_errors=True)  # keep the disk free between cases
     return result
 
@@ -81,9 +92,10 @@ def table(results: list[dict[str, Any]]) -> str:
     """Markdown table of the results (seconds, slowest rank)."""
     head = (
         "| case | native GB | save_checkpoint | save | save_async blocked | copy floor "
-        "| async total | save_checkpoint + ds_to_universal | convert 1 proc | convert 2 procs |"
+        "| async total | save_checkpoint + ds_to_universal | convert 1 proc | convert 2 procs "
+        "| inside: 1 proc | inside: 2 procs |"
     )
-    lines = [head, "|" + "---|" * 10]
+    lines = [head, "|" + "---|" * 12]
     for r in results:
         t = r["times"]
 
@@ -99,7 +111,8 @@ def table(results: list[dict[str, Any]]) -> str:
         lines.append(
             f"| {r['case']} | {r['native_bytes'] / 1e9:.2f} | {s('save_checkpoint')} | {s('save')} "
             f"| {s('save_async_blocked')} | {s('copy_floor')} | {s('async_total')} | {total} "
-            f"| {s('convert_1proc')} | {s('convert_2proc')} |"
+            f"| {s('convert_1proc')} | {s('convert_2proc')} | {s('convert_inside_1proc')} "
+            f"| {s('convert_inside_2proc')} |"
         )
     return "\n".join(lines)
 
