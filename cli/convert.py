@@ -71,9 +71,20 @@ def convert_command(
     ] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar.")] = False,
 ) -> None:
-    """Convert a DeepSpeed ZeRO-1/2/3 checkpoint into a universal ucformat store."""
+    """Convert a DeepSpeed ZeRO-1/2/3 checkpoint into a universal ucformat store.
+
+    Launched by torchrun (WORLD_SIZE > 1), every process writes a share of the shards and rank 0
+    commits: torchrun [--nnodes K] --nproc_per_node N -m ucformat_cli convert SRC DST.
+    """
     from ucformat.convert import ConvertHooks, convert
+    from ucformat.convert_distributed import launched_distributed
     from ucformat.writer import DEFAULT_WORKERS
+
+    if launched_distributed() and not dry_run:
+        _convert_distributed(
+            src, dst, tag, overwrite, chunk_kib, shard_mib, compress, workers, opaque_global
+        )
+        return
 
     if compress not in ("none", "zstd"):
         raise typer.BadParameter("must be 'none' or 'zstd'", param_hint="--compress")
@@ -123,3 +134,40 @@ def convert_command(
     if manifest.client_state.unrepresentable:
         kept_out = ", ".join(f"{k} ({t})" for k, t in manifest.client_state.unrepresentable.items())
         typer.echo(f"note: client state kept by key and type only: {kept_out}", err=True)
+
+
+def _convert_distributed(
+    src: str,
+    dst: str,
+    tag: str | None,
+    overwrite: bool,
+    chunk_kib: int | None,
+    shard_mib: int | None,
+    compress: str,
+    workers: int | None,
+    opaque_global: list[str] | None,
+) -> None:
+    """One process of ``torchrun -m ucformat_cli convert``: rank 0 prints the summary."""
+    from ucformat.convert_distributed import convert_distributed
+    from ucformat.writer import DEFAULT_WORKERS
+
+    started = time.perf_counter()
+    report = convert_distributed(
+        src,
+        dst,
+        tag=tag,
+        overwrite=overwrite,
+        chunk_bytes=chunk_kib * _KIB if chunk_kib else None,
+        shard_bytes=shard_mib * _KIB * _KIB if shard_mib else None,
+        compressor=compress,
+        workers=workers or DEFAULT_WORKERS,
+        opaque_globals=opaque_global or (),
+    )
+    if report.committed and report.manifest is not None:
+        source = report.manifest.source
+        typer.echo(
+            f"wrote {len(report.manifest.params)} params from DeepSpeed ZeRO-{source.zero_stage} "
+            f"x{source.world_size} {source.train_dtype} (tag {source.tag}) to {dst} in "
+            f"{time.perf_counter() - started:.2f}s (rank 0 of a distributed convert: "
+            f"{report.units_written} shards, {format_bytes(report.bytes_written)} written here)"
+        )

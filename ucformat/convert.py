@@ -29,7 +29,14 @@ from ucformat.store.locations import local_source
 from ucformat.store.manifest_io import ROOT_KEY, commit_manifest
 from ucformat.writer import DEFAULT_WORKERS, create_arrays, write_units
 
-__all__ = ["ConvertHooks", "convert", "plan_from_source"]
+__all__ = [
+    "ConvertHooks",
+    "convert",
+    "convert_options",
+    "discard_store",
+    "plan_from_source",
+    "start_store",
+]
 
 #: What zarr's LocalStore leaves at the root when killed while writing a root object.
 _PARTIAL_ROOT = re.compile(r"^(zarr|ucformat)\.[0-9a-f]{32}\.partial$")
@@ -114,23 +121,48 @@ def convert(
         if dry_run:
             return plan.manifest
         store = open_store(dst, read_only=False)
-        with store_writes(store, "preparing the destination"):
-            created = _prepare_destination(store, overwrite)
+        created = start_store(store, overwrite)
         try:
-            with store_writes(store, f"writing {ROOT_KEY}"):
-                create_root_group(
-                    store,
-                    {FORMAT_NAME: {"format_version": FORMAT_VERSION, "manifest": MANIFEST_KEY}},
-                )
             arrays = create_arrays(store, plan)
             write_units(plan, arrays, plan.units, workers=workers, progress=hooks.on_bytes)
             source.check_integrity()  # before the commit: a damaged source never looks complete
         except BaseException:
-            root = local_root(store)
-            if created and root is not None:
-                shutil.rmtree(root, ignore_errors=True)
+            discard_store(store, created)
             raise
         return commit_manifest(store, plan.manifest, durable=fsync)
+
+
+def start_store(store: Store, overwrite: bool) -> bool:
+    """Empty ``store`` (see ``overwrite``) and write its root group: an uncommitted store.
+
+    Returns:
+        True if the store did not exist before (local stores), for :func:`discard_store`.
+
+    Raises:
+        StoreExistsError: the destination holds data and ``overwrite`` is off, or it holds
+            something that is not a ucformat store.
+    """
+    with store_writes(store, "preparing the destination"):
+        created = _prepare_destination(store, overwrite)
+    with store_writes(store, f"writing {ROOT_KEY}"):
+        create_root_group(
+            store, {FORMAT_NAME: {"format_version": FORMAT_VERSION, "manifest": MANIFEST_KEY}}
+        )
+    return created
+
+
+def discard_store(store: Store, created: bool) -> None:
+    """Remove a store a failed write created (local stores; others stay uncommitted)."""
+    root = local_root(store)
+    if created and root is not None:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def convert_options(
+    chunk_bytes: int | None = None, shard_bytes: int | None = None, compressor: str = "none"
+) -> ConvertOptions:
+    """The layout options ``convert`` uses for these targets (None: the defaults)."""
+    return _options(chunk_bytes, shard_bytes, compressor)
 
 
 def _options(chunk_bytes: int | None, shard_bytes: int | None, compressor: str) -> ConvertOptions:

@@ -14,6 +14,7 @@ __all__ = [
     "ChunkMissingError",
     "CorruptDataError",
     "CoverageError",
+    "DistributedWriteError",
     "IncompleteStoreError",
     "InvalidNameError",
     "LayoutMismatchError",
@@ -142,3 +143,16 @@ class LoadAbortedError(UCFormatError):
 
 class ModelMismatchError(UCFormatError):
     """The target model's parameters do not match the checkpoint's."""
+
+
+class DistributedWriteError(UCFormatError):
+    """A rank of a distributed save or convert failed; no rank committed anything.
+
+    Raised on every rank with the same message, naming the rank that failed first and its error
+    (on that rank, chained to the original exception). ``rank`` and ``error_type`` say which.
+    """
+
+    def __init__(self, message: str, *, rank: int = -1, error_type: str = "") -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.error_type = error_type

@@ -75,6 +75,8 @@ class ModelSize:
 #: (tests/bench/s3_loads.py: the S3 server holds its objects in memory).
 SIZES: dict[str, ModelSize] = {
     "25m": ModelSize(hidden=512, ffn=1408, layers=6, vocab=8192),
+    # ~28M (the same model as 25m): the live-save benchmark's name for it (docs/benchmarks.md).
+    "30m": ModelSize(hidden=512, ffn=1408, layers=6, vocab=8192),
     "100m": ModelSize(hidden=768, ffn=2048, layers=12, vocab=8192),
     "300m": ModelSize(hidden=1024, ffn=2816, layers=22, vocab=8192),
 }

@@ -2,6 +2,8 @@
 
 * :func:`load` (:mod:`~ucformat.deepspeed.load`): resume an engine from a store, at any world
   size and ZeRO stage, each rank reading only its own partitions;
+* :func:`save` / :func:`save_async` (:mod:`~ucformat.deepspeed.save`): write an engine straight
+  into a store, every rank its own partitions, one commit;
 * :mod:`~ucformat.deepspeed.engine`: look inside a live engine (its flat partitions, in order,
   and how to write them).
 
@@ -12,5 +14,6 @@ Reading a DeepSpeed checkpoint *on disk* is :mod:`ucformat.sources.deepspeed`; w
 from __future__ import annotations
 
 from ucformat.deepspeed.load import LoadReport, load
+from ucformat.deepspeed.save import SaveHandle, SaveReport, save, save_async
 
-__all__ = ["LoadReport", "load"]
+__all__ = ["LoadReport", "SaveHandle", "SaveReport", "load", "save", "save_async"]

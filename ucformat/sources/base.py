@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import math
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ucformat.dtypes import dtype_name
 from ucformat.models import (
@@ -23,8 +24,13 @@ from ucformat.models import (
 from ucformat.pyvalue import describe_type
 from ucformat.sources.torchfile import TensorRef, TorchFile
 
+if TYPE_CHECKING:
+    import numpy as np
+    import torch
+
 __all__ = [
     "ArraySource",
+    "FragmentTensor",
     "SourceCheckpoint",
     "SourceFragment",
     "SourceParam",
@@ -32,11 +38,40 @@ __all__ = [
 ]
 
 
+class FragmentTensor(Protocol):
+    """What the writer needs of a fragment's tensor.
+
+    A :class:`~ucformat.sources.torchfile.TensorRef` (bytes in a file), or a tensor in memory
+    (a live save: :class:`ucformat.distributed_write.MemoryTensor`).
+    """
+
+    @property
+    def dtype_name(self) -> str:
+        """The manifest's name of the tensor's dtype."""
+        ...
+
+    def is_contiguous(self) -> bool:
+        """Whether the elements are one row-major run."""
+        ...
+
+    def read_into(self, out: np.ndarray, start: int, stop: int) -> None:
+        """Copy flat elements ``[start, stop)`` into ``out`` (storage dtype)."""
+        ...
+
+    def read_scattered(self, start: int, views: Sequence[memoryview]) -> None:
+        """Copy flat elements from ``start`` on into the byte ``views``, one after another."""
+        ...
+
+    def load(self) -> torch.Tensor:
+        """The whole tensor."""
+        ...
+
+
 @dataclass(frozen=True)
 class SourceFragment:
     """Flat elements ``[start, start + length)`` of an array come from ``tensor[tensor_start:]``."""
 
-    tensor: TensorRef
+    tensor: FragmentTensor
     tensor_start: int
     start: int
     length: int

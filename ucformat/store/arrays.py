@@ -183,7 +183,21 @@ def expected_metadata(ref: ArrayRef) -> dict[str, Any]:
 
 def array_from_manifest(store: Store, ref: ArrayRef) -> zarr.Array[Any]:
     """The array described by ``ref``, opened without reading its ``zarr.json``."""
-    return zarr.Array.from_dict(StorePath(store, ref.path), expected_metadata(ref))
+    metadata = _metadata(
+        ref.dtype, tuple(ref.shape), tuple(ref.chunk_shape), tuple(ref.shard_shape), ref.compressor
+    )
+    return zarr.Array(zarr.AsyncArray(metadata=metadata, store_path=StorePath(store, ref.path)))
+
+
+@functools.lru_cache(maxsize=256)
+def _metadata(
+    dtype: str, shape: tuple[int, ...], chunk: tuple[int, ...], shard: tuple[int, ...], comp: str
+) -> Any:
+    """Parsed array metadata, shared by the arrays of one layout (it is immutable): parsing it
+    costs milliseconds, and a model repeats a few layouts over hundreds of arrays. Taken from
+    an array built once in memory (public ``Array.metadata``), not from zarr's private parser."""
+    document = json.loads(_expected_document(dtype, shape, chunk, shard, comp))
+    return zarr.Array.from_dict(StorePath(MemoryStore(), "a"), document).metadata
 
 
 def chunk_key(array: zarr.Array[Any], coords: tuple[int, ...]) -> str:

@@ -1,0 +1,126 @@
+"""Distributed ``convert``: every process of a ``torchrun`` job writes a share of the shards.
+
+::
+
+    torchrun --nnodes K --nproc_per_node N -m ucformat_cli convert SRC DST
+
+Each process reads the checkpoint's metadata (the pickles; tensor bytes stay on disk) and makes
+the same plan as ``ucformat convert``; the plan's write units are cut into one consecutive run
+of about equal bytes per process (:func:`ucformat.layout.ownership.writers_by_balance`), so each
+process reads about ``1/W`` of the source bytes, from whichever rank files its units need, and
+writes its shards with the converter's writer. Rank 0 prepares the destination and commits the
+manifest after every process has reported success (:mod:`ucformat.distributed_write`); any
+process's failure fails every process with the same error, and nothing is committed. SRC and
+DST must be reachable from every node (a shared file system, or an object store URL).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from ucformat.writer import DEFAULT_WORKERS
+
+if TYPE_CHECKING:
+    from ucformat.convert import ConvertHooks
+    from ucformat.distributed_write import SpreadReport
+    from ucformat.store.keys import StoreLike
+
+__all__ = ["convert_distributed", "launched_distributed"]
+
+
+def launched_distributed() -> bool:
+    """Whether this process is one of several started by ``torchrun`` (or set up alike)."""
+    try:
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+    except ValueError:
+        return False
+    return world > 1 and "RANK" in os.environ and "MASTER_ADDR" in os.environ
+
+
+def convert_distributed(
+    src: str | Path,
+    dst: StoreLike,
+    *,
+    tag: str | None = None,
+    overwrite: bool = False,
+    chunk_bytes: int | None = None,
+    shard_bytes: int | None = None,
+    compressor: str = "none",
+    workers: int = DEFAULT_WORKERS,
+    opaque_globals: Iterable[str] = (),
+    hooks: ConvertHooks | None = None,
+) -> SpreadReport:
+    """``ucformat.convert`` run by every process of a distributed job; collective.
+
+    Joins the default process group (``torch.distributed`` env:// settings, as torchrun sets
+    them) if the caller has not, and leaves it again at the end in that case. Arguments are
+    those of :func:`ucformat.convert`.
+
+    Returns:
+        This process's :class:`~ucformat.distributed_write.SpreadReport` (``manifest`` is the
+        committed one on rank 0).
+
+    Raises:
+        DistributedWriteError: some process failed (the same error on every process); nothing
+            was committed.
+    """
+    import torch.distributed as dist  # here: launched_distributed() must not import torch
+
+    from ucformat.collective import agree, group
+    from ucformat.convert import ConvertHooks, _pickle_policy, convert_options
+    from ucformat.distributed_write import write_spread
+    from ucformat.dtypes import itemsize
+    from ucformat.layout.ownership import writers_by_balance
+    from ucformat.plan import plan_convert
+    from ucformat.sources.deepspeed.checkpoint import read_deepspeed_checkpoint
+    from ucformat.store.keys import open_store
+    from ucformat.store.locations import local_source
+
+    hooks = hooks or ConvertHooks()
+    joined = False
+    if not dist.is_initialized():
+        dist.init_process_group(backend="gloo")
+        joined = True
+    try:
+        ranks = group()
+        where = f"{dst}: ucformat convert"
+        failure: Exception | None = None
+        source = plan = target = None
+        try:
+            source = read_deepspeed_checkpoint(
+                local_source(src), tag, _pickle_policy(opaque_globals)
+            )
+            plan = plan_convert(source, convert_options(chunk_bytes, shard_bytes, compressor))
+            target = open_store(dst, read_only=False)
+        except Exception as exc:  # every process must learn of it
+            failure = exc
+        try:
+            error = agree(failure, ranks, where)
+            if error is not None:
+                raise error from failure
+            assert plan is not None
+            assert target is not None
+            assert source is not None
+            if hooks.on_plan is not None:
+                hooks.on_plan(plan)
+            sizes = [unit.numel * itemsize(plan.arrays[unit.array].dtype) for unit in plan.units]
+            return write_spread(
+                plan,
+                target,
+                writers=writers_by_balance(sizes, ranks.world_size),
+                group=ranks,
+                where=where,
+                overwrite=overwrite,
+                workers=workers,
+                progress=hooks.on_bytes,
+                before_commit=source.check_integrity,  # a damaged source fails every process
+            )
+        finally:
+            if source is not None:
+                source.close()
+    finally:
+        if joined:
+            dist.destroy_process_group()

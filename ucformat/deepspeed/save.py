@@ -1,0 +1,307 @@
+"""``ucformat.deepspeed.save`` / ``save_async``: write a live engine straight into a store.
+
+Call on every rank where you would call ``engine.save_checkpoint``::
+
+    report = ucformat.deepspeed.save(engine, "ckpt/step800.ucf", client_state={"step": 800})
+
+    handle = ucformat.deepspeed.save_async(engine, "s3://bucket/step800.ucf")
+    ...                                  # training goes on while the store is written
+    handle.result()                      # the SaveReport, or the error every rank raised
+
+Each rank writes the shards its own flat partitions cover, from its fp32 partitions and
+optimizer states, with the converter's planner and shard writer: no native files, no temporary
+files, no all-gather of parameters. A shard that straddles two ranks' partitions is written by
+the rank holding most of it; the runs it lacks come from their holders over a private gloo
+group (:mod:`ucformat.distributed_write`). Rank 0 commits the manifest once every rank has
+written its part; a failure on any rank raises the same
+:class:`~ucformat.errors.DistributedWriteError` on every rank, and nothing is committed. The
+store equals what ``ucformat convert`` makes of ``engine.save_checkpoint``'s files, array for
+array and manifest for manifest, apart from the provenance (``source``: ``written_by="save"``).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Mapping
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+from ucformat.collective import Group, agree, group
+from ucformat.deepspeed.engine import describe_engine
+from ucformat.deepspeed.source import HostCopies, describe_live
+from ucformat.distributed_write import (
+    DEFAULT_EXCHANGE_BUDGET,
+    SpreadReport,
+    holdings,
+    write_spread,
+)
+from ucformat.layout.ownership import writers_by_holdings
+from ucformat.models import CheckpointManifest
+from ucformat.plan import ConvertPlan, plan_convert
+from ucformat.store.keys import StoreLike, open_store
+from ucformat.writer import DEFAULT_WORKERS
+
+__all__ = ["SaveHandle", "SaveReport", "save", "save_async"]
+
+
+@dataclass
+class SaveReport:
+    """What a save did on this rank."""
+
+    store: str
+    manifest: CheckpointManifest
+    #: True on the rank that committed the manifest (rank 0).
+    committed: bool
+    units_written: int
+    bytes_written: int
+    bytes_sent: int
+    bytes_received: int
+    exchange_rounds: int
+    #: Bytes this rank copied to host memory (``save_async``: all its partitions; ``save``:
+    #: only tensors that live on a device).
+    host_copy_bytes: int
+    #: Seconds the caller was blocked (``save``: the whole save; ``save_async``: the copy).
+    blocked_seconds: float
+    #: Seconds from the call to the commit.
+    seconds: float
+
+
+class SaveHandle:
+    """An asynchronous save in progress (:func:`save_async`)."""
+
+    def __init__(self, future: Future[SaveReport], thread: threading.Thread) -> None:
+        self._future = future
+        self._thread = thread
+
+    def done(self) -> bool:
+        """Whether the save has finished (committed or failed)."""
+        return self._future.done()
+
+    def result(self, timeout: float | None = None) -> SaveReport:
+        """Wait for the save; its :class:`SaveReport`, or the error it failed with.
+
+        Raises:
+            DistributedWriteError: some rank failed; nothing was committed.
+            TimeoutError: not finished within ``timeout`` seconds.
+        """
+        return self._future.result(timeout)
+
+
+_lock = threading.Lock()
+_pending: SaveHandle | None = None
+
+
+def _wait_for_pending() -> None:
+    """Wait for the previous :func:`save_async` of this process (its error stays on its handle)."""
+    with _lock:
+        previous = _pending
+    if previous is not None:
+        previous._thread.join()
+
+
+@dataclass
+class _Prepared:
+    plan: ConvertPlan
+    writers: list[int]
+    group: Group
+    store: Any
+    where: str
+    location: str
+    copies: HostCopies
+
+
+def _prepare(
+    engine: Any,
+    store: StoreLike,
+    client_state: Mapping[str, Any] | None,
+    *,
+    copy_all: bool,
+    tag: str | None,
+    chunk_bytes: int | None,
+    shard_bytes: int | None,
+    compressor: str,
+) -> _Prepared:
+    """Describe the engine, plan the store and agree that every rank could (collective)."""
+    from ucformat.convert import convert_options
+
+    location = str(store)
+    where = f"{location}: ucformat.deepspeed.save"
+    ranks = group()
+    copies = HostCopies(always=copy_all)
+    failure: Exception | None = None
+    prepared: _Prepared | None = None
+    try:
+        view = describe_engine(engine)
+        source = describe_live(
+            view,
+            rank=ranks.rank,
+            world_size=ranks.world_size,
+            client_state=client_state,
+            location=location,
+            tag=tag,
+            copies=copies,
+        )
+        plan = plan_convert(source, convert_options(chunk_bytes, shard_bytes, compressor))
+        writers = writers_by_holdings(holdings(plan), ranks.world_size)
+        target = open_store(store, read_only=False)
+        prepared = _Prepared(plan, writers, ranks, target, where, location, copies)
+    except Exception as exc:  # every rank must learn of it
+        failure = exc
+    error = agree(failure, ranks, where)
+    if error is not None:
+        raise error from failure
+    assert prepared is not None
+    return prepared
+
+
+def _write(
+    prepared: _Prepared,
+    *,
+    overwrite: bool,
+    workers: int,
+    exchange_budget: int,
+    started: float,
+    blocked: float | None,
+) -> SaveReport:
+    spread: SpreadReport = write_spread(
+        prepared.plan,
+        prepared.store,
+        writers=prepared.writers,
+        group=prepared.group,
+        where=prepared.where,
+        overwrite=overwrite,
+        workers=workers,
+        exchange_budget=exchange_budget,
+    )
+    seconds = time.perf_counter() - started
+    return SaveReport(
+        store=prepared.location,
+        manifest=spread.manifest or prepared.plan.manifest,
+        committed=spread.committed,
+        units_written=spread.units_written,
+        bytes_written=spread.bytes_written,
+        bytes_sent=spread.bytes_sent,
+        bytes_received=spread.bytes_received,
+        exchange_rounds=spread.exchange_rounds,
+        host_copy_bytes=prepared.copies.nbytes,
+        blocked_seconds=seconds if blocked is None else blocked,
+        seconds=seconds,
+    )
+
+
+def save(
+    engine: Any,
+    store: StoreLike,
+    *,
+    client_state: Mapping[str, Any] | None = None,
+    overwrite: bool = False,
+    tag: str | None = None,
+    chunk_bytes: int | None = None,
+    shard_bytes: int | None = None,
+    compressor: str = "none",
+    workers: int = DEFAULT_WORKERS,
+    exchange_budget: int = DEFAULT_EXCHANGE_BUDGET,
+) -> SaveReport:
+    """Save a DeepSpeed ZeRO engine into a ucformat store, every rank writing its own part.
+
+    Call on every rank (it is collective), where ``engine.save_checkpoint`` would be called.
+
+    Args:
+        engine: the ``DeepSpeedEngine`` (ZeRO stage 1, 2 or 3; fp32, fp16 or bf16; any
+            optimizer wrapper :func:`ucformat.deepspeed.load` supports).
+        store: a local path, an fsspec URL or a zarr ``Store``, the same on every rank; local
+            paths must be on a file system every rank sees.
+        client_state: JSON-like values saved with the checkpoint (as ``save_checkpoint``'s);
+            rank 0's are kept; values without an exact JSON form are recorded by type.
+        overwrite: replace an existing ucformat store.
+        tag: recorded as the source tag (default ``global_step<N>``).
+        chunk_bytes: inner chunk target; default as ``ucformat convert`` (64 KiB).
+        shard_bytes: shard target; default as ``ucformat convert`` (16 MiB).
+        compressor: ``"none"`` or ``"zstd"``.
+        workers: threads writing this rank's shards.
+        exchange_budget: bytes one exchange round of straddling shards moves at most.
+
+    Returns:
+        This rank's :class:`SaveReport`.
+
+    Raises:
+        DistributedWriteError: any rank failed (the same error on every rank, naming it);
+            nothing was committed, and a local store the save created is removed.
+    """
+    started = time.perf_counter()
+    _wait_for_pending()
+    prepared = _prepare(
+        engine, store, client_state, copy_all=False, tag=tag, chunk_bytes=chunk_bytes,
+        shard_bytes=shard_bytes, compressor=compressor,
+    )  # fmt: skip
+    return _write(
+        prepared, overwrite=overwrite, workers=workers, exchange_budget=exchange_budget,
+        started=started, blocked=None,
+    )  # fmt: skip
+
+
+def save_async(
+    engine: Any,
+    store: StoreLike,
+    *,
+    client_state: Mapping[str, Any] | None = None,
+    overwrite: bool = False,
+    tag: str | None = None,
+    chunk_bytes: int | None = None,
+    shard_bytes: int | None = None,
+    compressor: str = "none",
+    workers: int = DEFAULT_WORKERS,
+    exchange_budget: int = DEFAULT_EXCHANGE_BUDGET,
+) -> SaveHandle:
+    """Like :func:`save`, but return once this rank's state is copied to host memory.
+
+    First waits for this process's previous ``save_async``. Then, in the calling thread: the
+    plan and manifest are made and every tensor the rank writes is copied to host memory
+    (pinned when it lives on a GPU): about one rank's partitions (fp32 + optimizer states) plus,
+    on rank 0, buffers and frozen parameters. The writing, the exchange of straddling shards and
+    the commit happen in a background thread, on ucformat's private gloo group, while training
+    goes on. Call ``handle.result()`` before ``torch.distributed.destroy_process_group``.
+
+    If the process dies before the commit, the store has no manifest: every reader refuses it
+    as incomplete, and the next save with ``overwrite=True`` replaces it.
+
+    Returns:
+        A :class:`SaveHandle`; ``result()`` gives the :class:`SaveReport` or raises the error.
+
+    Raises:
+        DistributedWriteError: a rank could not describe or copy its state (before anything
+            was written).
+    """
+    global _pending
+    started = time.perf_counter()
+    _wait_for_pending()
+    prepared = _prepare(
+        engine, store, client_state, copy_all=True, tag=tag, chunk_bytes=chunk_bytes,
+        shard_bytes=shard_bytes, compressor=compressor,
+    )  # fmt: skip
+    blocked = time.perf_counter() - started
+    future: Future[SaveReport] = Future()
+
+    def run() -> None:
+        try:
+            future.set_result(
+                _write(
+                    prepared,
+                    overwrite=overwrite,
+                    workers=workers,
+                    exchange_budget=exchange_budget,
+                    started=started,
+                    blocked=blocked,
+                )
+            )
+        except BaseException as exc:
+            future.set_exception(exc)
+
+    thread = threading.Thread(target=run, name="ucformat-save", daemon=False)
+    handle = SaveHandle(future, thread)
+    with _lock:
+        _pending = handle
+    thread.start()
+    return handle

@@ -1,0 +1,401 @@
+"""Execute one :class:`~ucformat.plan.ConvertPlan` on many processes: one writer per shard.
+
+Every rank holds the same plan (each rank computes it; :func:`write_spread` checks that they
+agree). A fragment's tensor is either readable by any rank (a file: distributed convert), or
+held in the memory of one rank (:class:`MemoryTensor` on that rank, :class:`RemoteTensor`
+naming it on the others: a live save). Each unit has exactly one writer, chosen by
+:mod:`ucformat.layout.ownership`. The steps, each closed by an agreement
+(:func:`ucformat.collective.agree`):
+
+1. the ranks compare their plans' fingerprints;
+2. rank 0 empties the destination and writes the root group and every array's ``zarr.json``;
+3. units whose writer lacks some of their bytes are written in rounds of at most
+   ``exchange_budget`` bytes: one all-to-all per round moves exactly the missing runs from the
+   ranks that hold them to the writer, which then writes the shard;
+4. every rank writes its other units with the converter's own writer
+   (:func:`ucformat.writer.write_units`, thread pool, streamed shard encoder);
+5. rank 0 commits the manifest (:func:`ucformat.store.manifest_io.commit_manifest`).
+
+A failure anywhere makes every rank raise the same
+:class:`~ucformat.errors.DistributedWriteError`; nothing is committed, and a local store that the
+write created is removed.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ucformat.collective import Group, agree, exchange_bytes, fingerprint
+from ucformat.convert import discard_store, start_store
+from ucformat.dtypes import itemsize
+from ucformat.layout.ownership import exchange_rounds
+from ucformat.models import CheckpointManifest
+from ucformat.plan import ConvertPlan, CopyItem, WriteUnit
+from ucformat.store.arrays import array_from_manifest
+from ucformat.store.manifest_io import commit_manifest
+from ucformat.writer import DEFAULT_WORKERS, create_arrays, write_units
+
+if TYPE_CHECKING:
+    import torch
+    from zarr.abc.store import Store
+
+__all__ = [
+    "DEFAULT_EXCHANGE_BUDGET",
+    "MemoryTensor",
+    "RemoteTensor",
+    "SpreadReport",
+    "holdings",
+    "write_spread",
+]
+
+#: Bytes one exchange round moves at most (all ranks together): what a rank may hold in
+#: received and to-be-sent bytes at a time, beyond its own tensors.
+DEFAULT_EXCHANGE_BUDGET = 64 * 1024 * 1024
+
+
+class MemoryTensor:
+    """A 1-D tensor in this rank's host memory, read by the shard writer as a file tensor is.
+
+    ``data`` is the tensor's bytes (a ``uint8`` view: no copy); ``rank`` is the rank holding it.
+    """
+
+    def __init__(self, data: np.ndarray, dtype_name: str, rank: int) -> None:
+        self.data = data
+        self.rank = rank
+        self._dtype_name = dtype_name
+        self.item = itemsize(dtype_name)
+        self.numel = data.size // self.item
+
+    @classmethod
+    def of(cls, tensor: torch.Tensor, rank: int) -> MemoryTensor:
+        """Wrap a contiguous CPU tensor (its bytes are shared, not copied)."""
+        import torch
+
+        from ucformat.dtypes import dtype_name
+
+        flat = tensor.detach().reshape(-1)
+        if flat.device.type != "cpu" or not flat.is_contiguous():
+            raise ValueError("MemoryTensor needs a contiguous CPU tensor")
+        return cls(flat.view(torch.uint8).numpy(), dtype_name(tensor.dtype), rank)
+
+    @property
+    def dtype_name(self) -> str:
+        """The manifest's name of the dtype."""
+        return self._dtype_name
+
+    def is_contiguous(self) -> bool:
+        """Always: the bytes are one run."""
+        return True
+
+    def _span(self, start: int, count: int) -> np.ndarray:
+        if not 0 <= start <= start + count <= self.numel:
+            raise ValueError(
+                f"elements [{start}, {start + count}) requested from a tensor of {self.numel}"
+            )
+        return self.data[start * self.item : (start + count) * self.item]
+
+    def read_into(self, out: np.ndarray, start: int, stop: int) -> None:
+        """Copy elements ``[start, stop)`` into ``out`` (storage dtype)."""
+        out.reshape(-1).view(np.uint8)[:] = self._span(start, stop - start)
+
+    def read_scattered(self, start: int, views: Sequence[memoryview]) -> None:
+        """Copy elements from ``start`` on into ``views``, one after another."""
+        source = self._span(start, sum(len(v) for v in views) // self.item)
+        at = 0
+        for view in views:
+            np.frombuffer(view, dtype=np.uint8)[:] = source[at : at + len(view)]
+            at += len(view)
+
+    def load(self) -> torch.Tensor:
+        """A copy of the whole tensor."""
+        import torch
+
+        from ucformat.dtypes import torch_dtype
+
+        return torch.frombuffer(bytearray(self.data.tobytes()), dtype=torch_dtype(self.dtype_name))
+
+    def segment(self, start: int, count: int) -> np.ndarray:
+        """The bytes of elements ``[start, start + count)`` (a view)."""
+        return self._span(start, count)
+
+
+class RemoteTensor:
+    """A tensor held by another rank: planned with, never read here."""
+
+    def __init__(self, rank: int, dtype_name: str) -> None:
+        self.rank = rank
+        self._dtype_name = dtype_name
+
+    @property
+    def dtype_name(self) -> str:
+        """The manifest's name of the dtype."""
+        return self._dtype_name
+
+    def is_contiguous(self) -> bool:
+        """As the holder's tensor."""
+        return True
+
+    def _refuse(self) -> None:
+        raise RuntimeError(
+            f"bytes held by rank {self.rank} were read before they were received (a bug)"
+        )
+
+    def read_into(self, out: np.ndarray, start: int, stop: int) -> None:
+        """Never: the bytes are on another rank."""
+        self._refuse()
+
+    def read_scattered(self, start: int, views: Sequence[memoryview]) -> None:
+        """Never: the bytes are on another rank."""
+        self._refuse()
+
+    def load(self) -> torch.Tensor:
+        """Never: the bytes are on another rank."""
+        self._refuse()
+        raise AssertionError
+
+
+def _rank_of(copy: CopyItem) -> int | None:
+    """The rank holding a copy's bytes, or None if any rank can read them (a file)."""
+    rank = getattr(copy.fragment.tensor, "rank", None)
+    return rank if isinstance(rank, int) else None
+
+
+def holdings(plan: ConvertPlan) -> list[dict[int, int]]:
+    """Per unit, rank -> elements of it held in that rank's memory (for the writer choice)."""
+    result: list[dict[int, int]] = []
+    for unit in plan.units:
+        held: dict[int, int] = {}
+        for copy in unit.copies:
+            rank = _rank_of(copy)
+            if rank is not None:
+                held[rank] = held.get(rank, 0) + copy.length
+        result.append(held)
+    return result
+
+
+def plan_fingerprint(plan: ConvertPlan) -> str:
+    """A digest of the plan's structure (arrays, units, copies and who holds them)."""
+    return fingerprint(
+        [
+            [ref.model_dump(mode="json") for ref in plan.arrays],
+            [
+                [u.array, u.flat_start, u.flat_stop]
+                + [[_rank_of(c), c.tensor_start, c.offset, c.length] for c in u.copies]
+                for u in plan.units
+            ],
+        ]
+    )
+
+
+@dataclass
+class SpreadReport:
+    """What :func:`write_spread` did on this rank."""
+
+    units_written: int = 0
+    bytes_written: int = 0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    exchange_rounds: int = 0
+    committed: bool = False
+    seconds: float = 0.0
+    #: The committed manifest (rank 0), or this rank's plan manifest.
+    manifest: CheckpointManifest | None = None
+
+
+@dataclass(frozen=True)
+class _Remote:
+    """One run of a unit that its writer receives from the rank holding it."""
+
+    unit: int
+    copy: int
+    source: int
+    writer: int
+    nbytes: int
+
+
+def _remote_runs(plan: ConvertPlan, writers: Sequence[int]) -> list[list[_Remote]]:
+    """Per unit, the runs its writer lacks (same on every rank: plan order, copy order)."""
+    runs: list[list[_Remote]] = []
+    for index, unit in enumerate(plan.units):
+        item = itemsize(plan.arrays[unit.array].dtype)
+        mine: list[_Remote] = []
+        for position, copy in enumerate(unit.copies):
+            rank = _rank_of(copy)
+            if rank is not None and rank != writers[index]:
+                mine.append(_Remote(index, position, rank, writers[index], copy.length * item))
+        runs.append(mine)
+    return runs
+
+
+def write_spread(
+    plan: ConvertPlan,
+    store: Store,
+    *,
+    writers: Sequence[int],
+    group: Group,
+    where: str,
+    overwrite: bool = False,
+    workers: int = DEFAULT_WORKERS,
+    exchange_budget: int = DEFAULT_EXCHANGE_BUDGET,
+    progress: Callable[[int], None] | None = None,
+    before_commit: Callable[[], object] | None = None,
+) -> SpreadReport:
+    """Write ``plan`` into ``store`` from every rank of ``group``; rank 0 commits.
+
+    Call on every rank with the same plan structure and ``writers`` (one rank per unit).
+    ``before_commit`` runs on every rank after its writes (e.g. the source CRC check); its
+    error fails every rank before anything is committed.
+
+    Raises:
+        DistributedWriteError: some rank failed (the same error on every rank); nothing was
+            committed.
+    """
+    started = time.perf_counter()
+    report = SpreadReport(manifest=plan.manifest)
+    rank = group.rank
+    _raise(agree(None, group, where, extra=plan_fingerprint(plan)), None)
+
+    failure: BaseException | None = None
+    created = False
+    arrays: list[Any] = []
+    if rank == 0:
+        try:
+            created = start_store(store, overwrite)
+            arrays = create_arrays(store, plan)
+        except Exception as exc:  # every rank must learn of it, whatever it is
+            failure = exc
+    _raise(agree(failure, group, where), failure, lambda: _discard(rank, store, created))
+
+    try:
+        if rank != 0:  # the same objects rank 0 created, opened without reading them
+            arrays = [array_from_manifest(store, ref) for ref in plan.arrays]
+        runs = _remote_runs(plan, writers)
+    except Exception as exc:
+        failure, arrays, runs = exc, [], [[] for _ in plan.units]
+    exchanged = [index for index, unit_runs in enumerate(runs) if unit_runs]
+    needs = [sum(run.nbytes for run in runs[index]) for index in exchanged]
+    for round_ in exchange_rounds(needs, exchange_budget):
+        units = [exchanged[i] for i in round_]
+        failure = _exchange_round(
+            plan, arrays, units, runs, writers, group, report, failure, workers
+        )
+    if failure is None:
+        mine = [
+            unit
+            for index, unit in enumerate(plan.units)
+            if writers[index] == rank and not runs[index]
+        ]
+        try:
+            write_units(plan, arrays, mine, workers=workers, progress=progress)
+            report.units_written += len(mine)
+            report.bytes_written += sum(_unit_bytes(plan, unit) for unit in mine)
+            if before_commit is not None:
+                before_commit()
+        except Exception as exc:
+            failure = exc
+    _raise(agree(failure, group, where), failure, lambda: _discard(rank, store, created))
+
+    if rank == 0:
+        try:
+            report.manifest = commit_manifest(store, plan.manifest)
+            report.committed = True
+        except Exception as exc:
+            failure = exc
+    _raise(agree(failure, group, where), failure)
+    report.seconds = time.perf_counter() - started
+    return report
+
+
+def _discard(rank: int, store: Store, created: bool) -> None:
+    if rank == 0:
+        discard_store(store, created)
+
+
+def _unit_bytes(plan: ConvertPlan, unit: WriteUnit) -> int:
+    return unit.numel * itemsize(plan.arrays[unit.array].dtype)
+
+
+def _exchange_round(
+    plan: ConvertPlan,
+    arrays: list[Any],
+    units: list[int],
+    runs: list[list[_Remote]],
+    writers: Sequence[int],
+    group: Group,
+    report: SpreadReport,
+    failure: BaseException | None,
+    workers: int,
+) -> BaseException | None:
+    """Move the missing runs of ``units`` to their writers, then write the units this rank owns.
+
+    Every rank takes part in the exchange even after a failure (sending zeros where its own
+    bytes cannot be read), so that no rank waits forever; a failed rank writes nothing more.
+    """
+    import torch
+
+    rank, world = group.rank, group.world_size
+    outgoing: list[list[np.ndarray]] = [[] for _ in range(world)]
+    incoming = [0] * world
+    for index in units:
+        for run in runs[index]:
+            if run.source == rank:
+                copy = plan.units[index].copies[run.copy]
+                tensor = copy.fragment.tensor
+                if failure is None and isinstance(tensor, MemoryTensor):
+                    outgoing[run.writer].append(tensor.segment(copy.tensor_start, copy.length))
+                else:
+                    if failure is None:
+                        failure = RuntimeError(f"rank {rank} does not hold the bytes it must send")
+                    outgoing[run.writer].append(np.zeros(run.nbytes, dtype=np.uint8))
+            if run.writer == rank:
+                incoming[run.source] += run.nbytes
+    send = [
+        torch.from_numpy(np.concatenate(parts)) if parts else torch.empty(0, dtype=torch.uint8)
+        for parts in outgoing
+    ]
+    received = exchange_bytes(send, incoming, group)
+    report.exchange_rounds += 1
+    report.bytes_sent += sum(int(t.numel()) for d, t in enumerate(send) if d != rank)
+    report.bytes_received += sum(incoming)
+    if failure is not None:
+        return failure
+    cursor = [0] * world
+    rebuilt: list[WriteUnit] = []
+    try:
+        for index in units:
+            if writers[index] != rank:
+                continue
+            unit = plan.units[index]
+            copies = list(unit.copies)
+            for run in runs[index]:
+                copy = copies[run.copy]
+                data = received[run.source][cursor[run.source] : cursor[run.source] + run.nbytes]
+                cursor[run.source] += run.nbytes
+                held = MemoryTensor(data.numpy(), copy.fragment.tensor.dtype_name, rank)
+                copies[run.copy] = replace(
+                    copy, fragment=replace(copy.fragment, tensor=held), tensor_start=0
+                )
+            rebuilt.append(replace(unit, copies=tuple(copies)))
+        write_units(plan, arrays, rebuilt, workers=workers)
+        report.units_written += len(rebuilt)
+        report.bytes_written += sum(_unit_bytes(plan, unit) for unit in rebuilt)
+    except Exception as exc:
+        return exc
+    return None
+
+
+def _raise(
+    error: BaseException | None,
+    failure: BaseException | None,
+    cleanup: Callable[[], object] | None = None,
+) -> None:
+    if error is None:
+        return
+    if cleanup is not None:
+        cleanup()
+    raise error from failure
