@@ -168,19 +168,53 @@ class SourceFile(_Model):
 
 
 class SourceInfo(_Model):
-    """Provenance: the checkpoint the store was converted from."""
+    """Provenance: what wrote the state the store holds.
 
-    framework: Literal["deepspeed"] = "deepspeed"
+    ``framework`` names the training framework, ``written_by`` how the store was made:
+    ``convert`` (an offline pass over checkpoint files at ``path``) or ``save`` (written by the
+    live training job itself, every rank its own part). ``checkpoint_format`` names the file
+    format that was converted (``deepspeed-zero``, ``torch-dcp``); None for live saves.
+    """
+
+    framework: Literal["deepspeed", "pytorch"] = "deepspeed"
     framework_version: str
+    written_by: Literal["convert", "save"] = "convert"
+    checkpoint_format: str | None = Field(
+        default="deepspeed-zero",
+        description="Converted file format ('deepspeed-zero', 'torch-dcp'); None for live saves.",
+    )
     path: str
     tag: str
-    zero_stage: int = Field(ge=1, le=3)
-    world_size: int = Field(ge=1, description="Data-parallel world size that wrote the shards.")
+    zero_stage: int | None = Field(default=None, ge=1, le=3, description="DeepSpeed only.")
+    world_size: int = Field(ge=1, description="Data-parallel world size that wrote the state.")
     train_dtype: DTypeName
-    optimizer_wrapper: str
+    optimizer_wrapper: str = ""
     sub_groups: int | None = Field(default=None, description="ZeRO-3 sub-group count.")
-    files: list[SourceFile]
+    mesh_shape: list[int] | None = Field(
+        default=None, description="Device mesh shape of sharded (DTensor) parameters."
+    )
+    mesh_dim_names: list[str] | None = Field(default=None, description="Names of the mesh dims.")
+    files: list[SourceFile] = Field(default_factory=list)
     ds_config: JsonValue = None
+
+    @model_validator(mode="after")
+    def _check_framework(self) -> SourceInfo:
+        if self.framework == "deepspeed" and self.zero_stage is None:
+            raise ValueError("a DeepSpeed source must record its zero_stage")
+        return self
+
+    def describe(self) -> str:
+        """One line: framework, version, layout, world size, dtype (for inspect and repr)."""
+        if self.framework == "deepspeed":
+            what = f"DeepSpeed {self.framework_version} ZeRO-{self.zero_stage}"
+        else:
+            what = f"PyTorch {self.framework_version}"
+            if self.checkpoint_format:
+                what += f" {self.checkpoint_format}"
+        if self.mesh_shape:
+            what += f" mesh {'x'.join(str(n) for n in self.mesh_shape)}"
+        how = "saved live" if self.written_by == "save" else "converted"
+        return f"{what}, world size {self.world_size}, {self.train_dtype} ({how})"
 
 
 class CheckpointManifest(_Model):

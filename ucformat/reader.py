@@ -90,10 +90,12 @@ class UniversalCheckpoint:
 
     def __repr__(self) -> str:
         source = self.manifest.source
-        return (
-            f"<UniversalCheckpoint {self.where}: {len(self.manifest.params)} params, "
-            f"ZeRO-{source.zero_stage} x{source.world_size} {source.train_dtype}>"
+        what = (
+            f"ZeRO-{source.zero_stage} x{source.world_size} {source.train_dtype}"
+            if source.framework == "deepspeed"
+            else source.describe()
         )
+        return f"<UniversalCheckpoint {self.where}: {len(self.manifest.params)} params, {what}>"
 
     # --- lookup -------------------------------------------------------------------------------
     def array_ref(self, name: str, state: str) -> ArrayRef:

@@ -51,7 +51,9 @@ def summarize(manifest: CheckpointManifest) -> StoreSummary:
     header = {
         "format": f"{manifest.format} {manifest.format_version} ({manifest.created_by})",
         "source": f"DeepSpeed {source.framework_version}, ZeRO-{source.zero_stage}, "
-        f"world size {source.world_size}, {source.train_dtype}, {source.optimizer_wrapper}",
+        f"world size {source.world_size}, {source.train_dtype}, {source.optimizer_wrapper}"
+        if source.framework == "deepspeed"
+        else source.describe(),
         "source path": f"{source.path} (tag {source.tag})",
         "optimizer": "none"
         if optimizer is None

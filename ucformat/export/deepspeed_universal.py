@@ -120,7 +120,9 @@ def _optimizer_state(ckpt: UniversalCheckpoint, classes: DeepSpeedClasses) -> di
         "dynamic_loss_scale": dynamic,
         "overflow": bool(manifest.progress.overflow),
         "clip_grad": clip,
-        "zero_stage": classes.zero_stage(manifest.source.zero_stage),
+        # A store saved by another framework has no ZeRO stage: DeepSpeed's universal loader
+        # reads the stage from the engine it loads into, this value is informational.
+        "zero_stage": classes.zero_stage(manifest.source.zero_stage or 1),
         "group_paddings": [0] * len(groups),
         "partition_count": [world] * len(groups),
         "ds_version": classes.version,
