@@ -154,3 +154,31 @@ def test_new_size_and_stage_resume_starts_from_the_saved_state(
     mean = [sum(r["4"][0] for r in run["losses"]) / len(run["losses"])
             for run in (trainer, uninterrupted)]  # fmt: skip
     assert mean[0] == pytest.approx(mean[1], rel=1e-6)
+
+
+def test_export_notes_say_what_the_trainer_will_do(saved: dict[str, Path], tmp_path: Path) -> None:
+    """Dry runs into the saved folder itself: nothing written, the Trainer notes per size."""
+    from tests.cli.helpers import invoke
+
+    ckpt = saved["z2-fp32"] / "out" / f"checkpoint-{SAVED_STEP}"
+    before = sorted(p.name for p in ckpt.iterdir())
+    store = tmp_path / "ckpt.ucf"
+    assert invoke("convert", ckpt, store).exit_code == 0
+
+    def notes(world_size: int) -> str:
+        result = invoke("export", "deepspeed", store, ckpt, "--world-size", world_size,
+                        "--stage", 1, "--dry-run")  # fmt: skip
+        assert result.exit_code == 0, result.stderr
+        assert f"tag global_step{SAVED_STEP}_ws{world_size}_zero1" in result.stdout
+        return str(result.stderr)
+
+    one = notes(1)
+    assert "reads rng_state.pth, which this checkpoint lacks" in one
+    assert "global batch was 6 samples; resume with per_device_train_batch_size x " in one
+    assert "x 1 = 6" in one
+    four = notes(4)
+    assert "no rng_state_R.pth for process 2, 3" in four
+    assert "not a multiple of 4 processes" in four
+    same = notes(2)
+    assert "Trainer" not in same  # same size: every rank has its file, same data order
+    assert sorted(p.name for p in ckpt.iterdir()) == before
