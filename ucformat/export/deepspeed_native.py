@@ -53,8 +53,8 @@ from ucformat.export._run_folder import finish_destination, plan_destination, pr
 from ucformat.export.hf_trainer import trainer_notes
 from ucformat.models import CheckpointManifest
 from ucformat.reader import UniversalCheckpoint
+from ucformat.store.keys import StoreLike
 from ucformat.summary import format_bytes
-from ucformat.zarr_io import StoreLike
 
 __all__ = ["export_deepspeed", "plan_deepspeed"]
 
