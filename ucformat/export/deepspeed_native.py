@@ -53,6 +53,7 @@ from ucformat.export._run_folder import finish_destination, plan_destination, pr
 from ucformat.export.hf_trainer import trainer_notes
 from ucformat.models import CheckpointManifest
 from ucformat.reader import UniversalCheckpoint
+from ucformat.sources.deepspeed.files import LATEST_FILE
 from ucformat.store.keys import StoreLike
 from ucformat.summary import format_bytes
 
@@ -208,7 +209,7 @@ def export_deepspeed(
         for rank in range(target.world_size):
             atomic_torch_save(files.optimizer_file(rank), tag_dir / target.optim_file(rank))
             hooks.advance(files.payload_per_rank)
-        atomic_write_bytes(folder / "latest", target.tag.encode())
+        atomic_write_bytes(folder / LATEST_FILE, target.tag.encode())
         finish_destination(dest)
     verb = "would write" if dry_run else "wrote"
     summary = (
