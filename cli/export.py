@@ -173,12 +173,32 @@ def deepspeed_command(
         Path | None,
         typer.Option(help="That job's DeepSpeed config JSON (default: the source's config)."),
     ] = None,
-    tag: Annotated[str | None, typer.Option(help="Checkpoint tag (default: the source's).")] = None,
-    overwrite: Overwrite = False,
+    tag: Annotated[
+        str | None,
+        typer.Option(
+            help="Checkpoint tag (default: the source's; <tag>_ws<W>_zero<S> when OUT already "
+            "holds the source's tag)."
+        ),
+    ] = None,
+    overwrite: Annotated[
+        bool,
+        typer.Option("--overwrite", help="Replace OUT/<tag> if it exists; other tags are kept."),
+    ] = False,
+    remove_previous: Annotated[
+        bool,
+        typer.Option(
+            "--remove-previous",
+            help="After the export, delete the tag folder 'latest' named before (kept by default).",
+        ),
+    ] = False,
     dry_run: DryRun = False,
     quiet: Quiet = False,
 ) -> None:
-    """A native DeepSpeed ZeRO checkpoint that a stock engine.load_checkpoint(OUT) loads."""
+    """A native DeepSpeed ZeRO checkpoint that a stock engine.load_checkpoint(OUT) loads.
+
+    OUT may be a DeepSpeed run folder or a Hugging Face Trainer checkpoint-N folder: the new
+    tag is written beside the old one and 'latest' repointed; nothing else there changes.
+    """
     ds_config = _config(config)
     _run(
         "exporting DeepSpeed ZeRO",
@@ -193,6 +213,7 @@ def deepspeed_command(
             ds_config=ds_config,
             tag=tag,
             overwrite=overwrite,
+            remove_previous=remove_previous,
             dry_run=dry_run,
             hooks=hooks,
         ),

@@ -79,14 +79,49 @@ def test_overwrite_replaces_only_what_the_export_writes(store: Path, tmp_path: P
     assert invoke("export", "deepspeed", store, out, "--world-size", 2, "--stage", 2).exit_code == 0
     (out / "notes.txt").write_text("keep me")
     (out / "global_step4" / "stale.pt").write_text("from an earlier export")
-    again = invoke("export", "deepspeed", store, out, "--world-size", 3, "--stage", 2)
-    assert_user_error(again, "already exists and is not empty; pass --overwrite")
     result = invoke("export", "deepspeed", store, out, "--world-size", 3, "--stage", 2,
                     "--overwrite")  # fmt: skip
     assert result.exit_code == 0, result.stderr
     assert (out / "notes.txt").read_text() == "keep me"
     assert not (out / "global_step4" / "stale.pt").exists()
     assert len(list((out / "global_step4").glob("zero_pp_rank_*_optim_states.pt"))) == 3
+    assert sorted(p.name for p in out.iterdir()) == ["global_step4", "latest", "notes.txt"]
+
+
+def test_run_folder_gets_a_new_tag_beside_the_old(store: Path, tmp_path: Path) -> None:
+    pytest.importorskip("deepspeed")
+    out = tmp_path / "run"
+    assert invoke("export", "deepspeed", store, out, "--world-size", 2, "--stage", 2).exit_code == 0
+    old = {p.name: p.read_bytes() for p in (out / "global_step4").iterdir()}
+    result = invoke("export", "deepspeed", store, out, "--world-size", 3, "--stage", 3, "-q")
+    assert result.exit_code == 0, result.stderr
+    assert "tag global_step4_ws3_zero3" in result.stdout
+    assert "note: latest: global_step4 -> global_step4_ws3_zero3; global_step4 is kept" in (
+        result.stderr
+    )
+    assert (out / "latest").read_text() == "global_step4_ws3_zero3"
+    assert {p.name: p.read_bytes() for p in (out / "global_step4").iterdir()} == old
+    assert len(list((out / "global_step4_ws3_zero3").glob("zero_pp_rank_*_model_states.pt"))) == 3
+    again = invoke("export", "deepspeed", store, out, "--world-size", 3, "--stage", 3)
+    assert_user_error(again, "global_step4_ws3_zero3: already exists; pass --tag NAME")
+    named = invoke("export", "deepspeed", store, out, "--world-size", 1, "--stage", 1,
+                   "--tag", "one", "--remove-previous")  # fmt: skip
+    assert named.exit_code == 0, named.stderr
+    assert "global_step4_ws3_zero3 removed" in named.stderr
+    assert sorted(p.name for p in out.iterdir()) == ["global_step4", "latest", "one"]
+    assert (out / "latest").read_text() == "one"
+    bad = invoke("export", "deepspeed", store, out, "--world-size", 1, "--stage", 1,
+                 "--tag", "../elsewhere")  # fmt: skip
+    assert_user_error(bad, "is not a folder name")
+
+
+def test_non_empty_folder_without_latest_is_refused(store: Path, tmp_path: Path) -> None:
+    out = tmp_path / "stuff"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    result = invoke("export", "deepspeed", store, out, "--world-size", 2, "--stage", 2)
+    assert_user_error(result, "has no 'latest' file (not a DeepSpeed checkpoint folder)")
+    assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
 
 
 @pytest.mark.parametrize(

@@ -49,6 +49,7 @@ __all__ = [
     "NativeTarget",
     "native_target",
     "plan_native",
+    "resolve_auto",
 ]
 
 ZERO_OPTIMIZER = "DeepSpeedZeroOptimizer"
@@ -117,6 +118,26 @@ def _source_config(manifest: CheckpointManifest) -> dict[str, Any]:
     return copy.deepcopy(config) if isinstance(config, dict) else {}
 
 
+def resolve_auto(config: dict[str, Any], source: dict[str, Any]) -> dict[str, Any]:
+    """``config`` with every ``"auto"`` value (Hugging Face's placeholder) resolved.
+
+    An ``"auto"`` takes the value at the same place in ``source`` (the config DeepSpeed ran
+    with, in which the Trainer had filled them in); one the source does not have is dropped,
+    so that DeepSpeed's default applies, as it would to a key never written.
+    """
+    out: dict[str, Any] = {}
+    for key, value in config.items():
+        known = source.get(key) if isinstance(source, dict) else None
+        if isinstance(value, dict):
+            out[key] = resolve_auto(value, known if isinstance(known, dict) else {})
+        elif value == "auto":
+            if known is not None and known != "auto" and not isinstance(known, dict):
+                out[key] = copy.deepcopy(known)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
 def _config_dtype(config: dict[str, Any]) -> str | None:
     for key, name in (("bf16", "bfloat16"), ("bfloat16", "bfloat16"), ("fp16", "float16")):
         section = config.get(key)
@@ -169,6 +190,7 @@ def native_target(
         ds_config: the DeepSpeed config the target job uses (default: the source's config).
             Its ``zero_optimization.stage`` and precision sections are set to match
             ``stage`` and ``dtype``; it is written into the files as DeepSpeed does.
+            ``"auto"`` values take the source config's (:func:`resolve_auto`).
         tag: checkpoint tag (default: the source's tag).
     """
     if stage not in (1, 2, 3):
@@ -177,7 +199,8 @@ def native_target(
         )
     if world_size < 1:
         raise UnsupportedExportError(f"world size must be at least 1, got {world_size}.")
-    config = copy.deepcopy(ds_config) if ds_config is not None else _source_config(manifest)
+    source = _source_config(manifest)
+    config = resolve_auto(ds_config, source) if ds_config is not None else source
     zero = dict(config.get("zero_optimization") or {})
     zero["stage"] = stage
     config["zero_optimization"] = zero

@@ -38,7 +38,6 @@ from ucformat.export._common import (
     atomic_torch_save,
     atomic_write_bytes,
     open_store_arg,
-    prepare_destination,
 )
 from ucformat.export._deepspeed_common import (
     DeepSpeedClasses,
@@ -50,7 +49,9 @@ from ucformat.export._deepspeed_common import (
 )
 from ucformat.export._native_files import RankFiles, frozen_fragments
 from ucformat.export._native_target import NativePlan, native_target, plan_native
+from ucformat.export._run_folder import finish_destination, plan_destination, prepare_folder
 from ucformat.export._url_target import export_to_url, is_url
+from ucformat.export.hf_trainer import trainer_notes
 from ucformat.models import CheckpointManifest
 from ucformat.reader import UniversalCheckpoint
 from ucformat.sources.deepspeed.files import LATEST_FILE
@@ -126,6 +127,7 @@ def _count(number: int, noun: str) -> str:
 
 
 def _owned(tag: str) -> Any:
+    """The names an export to a URL writes at the prefix's top level (for ``overwrite``)."""
     return lambda name: name in (tag, LATEST_FILE)
 
 
@@ -139,31 +141,43 @@ def export_deepspeed(
     ds_config: dict[str, Any] | None = None,
     tag: str | None = None,
     overwrite: bool = False,
+    remove_previous: bool = False,
     dry_run: bool = False,
     hooks: ExportHooks | None = None,
 ) -> ExportResult:
     """Write a native DeepSpeed ZeRO checkpoint for ``world_size`` ranks at ``stage``.
 
+    ``out`` may be an empty folder, or a DeepSpeed run folder (one with ``latest``, such as a
+    Hugging Face Trainer ``checkpoint-N/``): the export then adds a tag beside the existing
+    ones and repoints ``latest``, as ``engine.save_checkpoint`` does, and leaves every other
+    file alone (docs/trainer.md).
+
     Args:
         store: a store path/URL/``Store`` or an opened checkpoint.
         out: the checkpoint folder (``engine.load_checkpoint(out)``): ``out/<tag>/`` and
-            ``out/latest`` are written; it must be empty unless ``overwrite``. A URL
-            (``s3://...``) is written locally, then uploaded (docs/s3.md).
+            ``out/latest`` are written. A URL (``s3://...``) is written locally, then
+            uploaded (docs/s3.md); it must be empty unless ``overwrite``.
         world_size: data-parallel ranks of the job that will load it.
         stage: ZeRO stage 1, 2 or 3.
         dtype: training dtype ``fp32``/``fp16``/``bf16`` (default: the config's, else the
             source's).
         ds_config: the target job's DeepSpeed config (default: the source's); decides the
             optimizer wrapper, ZeRO-3 ``sub_group_size``, ``parameter_alignment`` and
-            ``gradient_clipping``, and is stored in the files.
-        tag: checkpoint tag (default: the source's).
-        overwrite: replace ``out/<tag>`` and ``out/latest`` (other tags are kept).
+            ``gradient_clipping``, and is stored in the files. ``"auto"`` values (Hugging
+            Face configs) take the source's value.
+        tag: checkpoint tag. Default: the source's tag, or ``<source tag>_ws<W>_zero<S>`` when
+            ``out`` is a run folder that already holds the source's tag.
+        overwrite: replace ``out/<tag>`` if it exists (other tags are kept); in a non-empty
+            folder without ``latest``, required at all.
+        remove_previous: once the export is complete, remove the tag ``latest`` named before.
         dry_run: plan only; write nothing (DeepSpeed is not needed).
         hooks: progress callbacks.
 
     Raises:
         UnsupportedExportError: the store has no optimizer state, the stage or config cannot be
             written, or DeepSpeed is not importable.
+        StoreExistsError: the tag folder exists (or ``out`` is not a run folder and not empty)
+            and ``overwrite`` is not set.
 
     Example:
         >>> from ucformat.export import export_deepspeed
@@ -172,16 +186,20 @@ def export_deepspeed(
     clock = Stopwatch()
     hooks = hooks or ExportHooks()
     ckpt = open_store_arg(store)
-    plan = plan_deepspeed(
-        ckpt.manifest, world_size=world_size, stage=stage, dtype=dtype, ds_config=ds_config, tag=tag
-    )
-    target = plan.target
-    if is_url(out):
+    if is_url(out):  # a fresh prefix: staged in a local folder, then uploaded
+        tag_of_url = plan_deepspeed(
+            ckpt.manifest,
+            world_size=world_size,
+            stage=stage,
+            dtype=dtype,
+            ds_config=ds_config,
+            tag=tag,
+        ).target.tag
         return export_to_url(
             str(out),
-            lambda folder: export_deepspeed(
+            lambda staged: export_deepspeed(
                 ckpt,
-                folder,
+                staged,
                 world_size=world_size,
                 stage=stage,
                 dtype=dtype,
@@ -190,28 +208,43 @@ def export_deepspeed(
                 dry_run=dry_run,
                 hooks=hooks,
             ),
-            owned=_owned(target.tag),
+            owned=_owned(tag_of_url),
             overwrite=overwrite,
             dry_run=dry_run,
-            last=("latest",),
+            last=(LATEST_FILE,),
         )
     folder = Path(out)
-    notes: list[str] = []
+    dest = plan_destination(
+        folder,
+        source_tag=ckpt.manifest.source.tag,
+        tag=tag,
+        world_size=world_size,
+        stage=stage,
+        overwrite=overwrite,
+        remove_previous=remove_previous,
+    )
+    plan = plan_deepspeed(
+        ckpt.manifest,
+        world_size=world_size,
+        stage=stage,
+        dtype=dtype,
+        ds_config=ds_config,
+        tag=dest.tag,
+    )
+    target = plan.target
+    notes = dest.notes() + trainer_notes(folder, ckpt.manifest, world_size)
     if not dry_run:
         classes = deepspeed_classes("deepspeed")
-        prepare_destination(folder, overwrite=overwrite, owned=_owned(target.tag), dry_run=False)
         hooks.plan(plan.nbytes)
-        tag_dir = folder / target.tag
-        tag_dir.mkdir(parents=True, exist_ok=True)
+        tag_dir = prepare_folder(dest)
         scaler, dynamic = build_loss_scaler(classes, ckpt.manifest, target.dtype, target.ds_config)
-        notes = _write_model_files(ckpt, plan, classes, tag_dir)
+        notes = _write_model_files(ckpt, plan, classes, tag_dir) + notes
         files = RankFiles(ckpt, plan, classes, scaler, dynamic)
         for rank in range(target.world_size):
             atomic_torch_save(files.optimizer_file(rank), tag_dir / target.optim_file(rank))
             hooks.advance(files.payload_per_rank)
         atomic_write_bytes(folder / LATEST_FILE, target.tag.encode())
-    else:
-        prepare_destination(folder, overwrite=overwrite, owned=_owned(target.tag), dry_run=True)
+        finish_destination(dest)
     verb = "would write" if dry_run else "wrote"
     summary = (
         f"{verb} DeepSpeed ZeRO-{target.stage} x{target.world_size} {target.dtype} checkpoint "

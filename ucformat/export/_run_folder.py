@@ -1,0 +1,159 @@
+"""Where a native DeepSpeed export goes: a new tag in a run folder, ``latest`` repointed.
+
+A DeepSpeed *run folder* holds tag folders and a ``latest`` file naming the one
+``engine.load_checkpoint(folder)`` loads; a Hugging Face Trainer ``checkpoint-N/`` folder is
+one, with the Trainer's own files beside the tag. An export into a run folder behaves like
+``engine.save_checkpoint``: it adds a tag and repoints ``latest``, and touches nothing else.
+
+The rules, decided before anything is written (:func:`plan_destination`):
+
+* an empty or missing folder: the tag is ``--tag`` or the source's tag;
+* a run folder (it has ``latest``): the tag is ``--tag``; else the source's tag when that is
+  free (or ``--overwrite`` is given, to replace it); else ``<source tag>_ws<W>_zero<S>``.
+  A tag folder that exists is refused without ``--overwrite``;
+* any other non-empty folder is refused without ``--overwrite`` (which then removes only the
+  tag folder and ``latest`` this export writes).
+
+The tag ``latest`` named before is kept unless ``remove_previous`` asks for it to go, which
+happens after the new tag and ``latest`` are complete (:func:`finish_destination`).
+"""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from ucformat.errors import StoreExistsError, UnsupportedExportError
+
+__all__ = [
+    "Destination",
+    "derived_tag",
+    "finish_destination",
+    "plan_destination",
+    "prepare_folder",
+]
+
+LATEST = "latest"
+
+
+@dataclass(frozen=True)
+class Destination:
+    """The decided destination of one export.
+
+    Attributes:
+        folder: the run folder.
+        tag: the tag folder this export writes.
+        previous: the tag ``latest`` named before the export (None: no ``latest``).
+        replace: ``folder/tag`` exists and will be replaced (``--overwrite``).
+        remove_previous: remove ``folder/previous`` once the export is complete.
+    """
+
+    folder: Path
+    tag: str
+    previous: str | None
+    replace: bool
+    remove_previous: bool
+
+    def notes(self) -> list[str]:
+        """What changed in the folder beyond the new tag, for the user."""
+        if self.previous is None or self.previous == self.tag:
+            return []
+        if self.remove_previous:
+            return [f"latest: {self.previous} -> {self.tag}; {self.previous} removed"]
+        return [
+            f"latest: {self.previous} -> {self.tag}; {self.previous} is kept (to go back, write "
+            f"'{self.previous}' into {self.folder / LATEST})"
+        ]
+
+
+def derived_tag(source_tag: str, world_size: int, stage: int) -> str:
+    """The tag written beside the source's own: ``global_step300_ws3_zero3``.
+
+    It keeps the source tag as its prefix, so Hugging Face's ``global_step*`` check still
+    recognises the folder.
+    """
+    return f"{source_tag}_ws{world_size}_zero{stage}"
+
+
+def _read_latest(folder: Path) -> str | None:
+    latest = folder / LATEST
+    if not latest.is_file():
+        return None
+    return latest.read_text().strip() or None
+
+
+def _check_tag_name(tag: str) -> None:
+    if not tag or tag in (".", "..", LATEST) or "/" in tag or "\\" in tag:
+        raise UnsupportedExportError(
+            f"tag {tag!r} is not a folder name; choose a plain name such as global_step300."
+        )
+
+
+def plan_destination(
+    out: Path,
+    *,
+    source_tag: str,
+    tag: str | None,
+    world_size: int,
+    stage: int,
+    overwrite: bool,
+    remove_previous: bool,
+) -> Destination:
+    """Decide the tag and check the folder (reads names only; writes nothing).
+
+    Raises:
+        StoreExistsError: ``out`` is a file, the tag folder exists, or ``out`` is a non-empty
+            folder that is not a run folder, without ``overwrite``.
+        UnsupportedExportError: ``tag`` is not a plain folder name.
+    """
+    if out.exists() and not out.is_dir():
+        raise StoreExistsError(f"{out}: exists and is a file; choose a folder as destination.")
+    children = sorted(p.name for p in out.iterdir()) if out.exists() else []
+    previous = _read_latest(out)
+    if children and previous is None and not overwrite:
+        raise StoreExistsError(
+            f"{out}: already exists, is not empty and has no 'latest' file (not a DeepSpeed "
+            "checkpoint folder); pass --overwrite to replace the files this export writes "
+            "(other files are kept), or choose an empty folder."
+        )
+    if tag is None:
+        taken = (out / source_tag).exists() and previous is not None and not overwrite
+        tag = derived_tag(source_tag, world_size, stage) if taken else source_tag
+    _check_tag_name(tag)
+    exists = (out / tag).exists()
+    if exists and not overwrite:
+        raise StoreExistsError(
+            f"{out / tag}: already exists; pass --tag NAME to write a new tag beside it, or "
+            "--overwrite to replace it."
+        )
+    return Destination(
+        folder=out,
+        tag=tag,
+        previous=previous,
+        replace=exists,
+        remove_previous=remove_previous,
+    )
+
+
+def prepare_folder(dest: Destination) -> Path:
+    """Create the folder, remove a tag folder being replaced; return the (empty) tag folder."""
+    dest.folder.mkdir(parents=True, exist_ok=True)
+    tag_dir = dest.folder / dest.tag
+    if tag_dir.is_symlink() or tag_dir.is_file():
+        tag_dir.unlink()
+    elif tag_dir.is_dir():
+        shutil.rmtree(tag_dir)
+    tag_dir.mkdir()
+    return tag_dir
+
+
+def finish_destination(dest: Destination) -> None:
+    """After ``latest`` names the new tag: remove the previous tag if that was asked for."""
+    if not dest.remove_previous or dest.previous is None or dest.previous == dest.tag:
+        return
+    if "/" in dest.previous or "\\" in dest.previous or dest.previous in (".", ".."):
+        return
+    old = dest.folder / dest.previous
+    if old.is_dir() and not old.is_symlink() and old.parent == dest.folder:
+        shutil.rmtree(old)
