@@ -22,6 +22,7 @@ __all__ = [
     "NotACheckpointError",
     "NotAStoreError",
     "ParamNotFoundError",
+    "SaveAbortedError",
     "SourceNotFoundError",
     "StoreAccessError",
     "StoreExistsError",
@@ -122,6 +123,10 @@ class StoreAccessError(UCFormatError):
 
 class LoadAbortedError(UCFormatError):
     """Another rank of a distributed load failed; this rank loaded nothing either."""
+
+
+class SaveAbortedError(UCFormatError):
+    """Another rank of a distributed save failed; nothing was committed."""
 
 
 class ModelMismatchError(UCFormatError):

@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import math
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
+
+import numpy as np
 
 from ucformat.dtypes import dtype_name
 from ucformat.models import (
@@ -23,8 +26,12 @@ from ucformat.models import (
 from ucformat.pyvalue import describe_type
 from ucformat.sources.torchfile import TensorRef, TorchFile
 
+if TYPE_CHECKING:
+    import torch
+
 __all__ = [
     "ArraySource",
+    "FlatTensor",
     "SourceCheckpoint",
     "SourceFragment",
     "SourceParam",
@@ -32,11 +39,28 @@ __all__ = [
 ]
 
 
+class FlatTensor(Protocol):
+    """What the writer needs of a fragment's tensor: a :class:`TensorRef` in a checkpoint file,
+    or a live in-memory tensor (``ucformat.torch.save``)."""
+
+    def is_contiguous(self) -> bool:
+        """Whether the elements are one row-major run (then the two reads below work)."""
+
+    def read_into(self, out: np.ndarray, start: int, stop: int) -> None:
+        """Copy flat elements ``[start, stop)`` into ``out`` (storage dtype)."""
+
+    def read_scattered(self, start: int, views: Sequence[memoryview]) -> None:
+        """Copy consecutive flat elements from ``start`` on into the byte ``views``."""
+
+    def load(self) -> torch.Tensor:
+        """The whole tensor."""
+
+
 @dataclass(frozen=True)
 class SourceFragment:
     """Flat elements ``[start, start + length)`` of an array come from ``tensor[tensor_start:]``."""
 
-    tensor: TensorRef
+    tensor: FlatTensor
     tensor_start: int
     start: int
     length: int
