@@ -309,7 +309,8 @@ def _exchange(plan: list[tuple[_Array, UnitWrite]]) -> None:
             owner = max((o for o in array.holders if o.start <= piece.start), key=lambda o: o.start)
             offset = piece.start - owner.start
             if piece.rank == me and array.local is not None:
-                values = torch.from_numpy(array.local[offset : offset + piece.stop - piece.start])
+                piece_values = array.local[offset : offset + piece.stop - piece.start]
+                values = torch.from_numpy(piece_values.view(np.uint8))  # bytes: any dtype
                 ops.append(dist.P2POp(dist.isend, values.to(device), unit.writer, tag=tag))
             elif unit.writer == me:
                 count = piece.stop - piece.start
