@@ -16,12 +16,12 @@ from pathlib import Path
 
 import numpy as np
 
-from ucformat._verify_checks import ManifestArray
 from ucformat.layout.chunking import Chunking
 from ucformat.models import ArrayRef, CheckpointManifest
 from ucformat.plan import ConvertOptions, ConvertPlan, WriteUnit, plan_convert
-from ucformat.sources.deepspeed import read_deepspeed_checkpoint
+from ucformat.sources.deepspeed.checkpoint import read_deepspeed_checkpoint
 from ucformat.sources.safe_unpickle import PicklePolicy
+from ucformat.verify.checks import ManifestArray
 from ucformat.writer import fill_unit
 
 __all__ = ["SourceShards", "replan_source"]

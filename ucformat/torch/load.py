@@ -41,7 +41,7 @@ from ucformat.models import ArrayRef, CheckpointManifest
 from ucformat.pyvalue import decode
 from ucformat.reader import BUFFER_STATE, UniversalCheckpoint, open_checkpoint, scalar_value
 from ucformat.spec import FP32_STATE, STEP_STATE
-from ucformat.zarr_io import StoreLike
+from ucformat.store.keys import StoreLike
 
 __all__ = [
     "TorchLoadReport",
