@@ -97,7 +97,10 @@ def worker(args: argparse.Namespace) -> None:
         optimizer.step()
         ucformat.torch.save(model, optimizer, work / "ckpt.ucf", overwrite=True)
         dcp.save(
-            {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)},
+            {
+                "model": get_model_state_dict(model),
+                "optim": get_optimizer_state_dict(model, optimizer),
+            },
             checkpoint_id=str(work / "ckpt.dcp"),
         )
         digest = _digest(model, optimizer)
@@ -122,8 +125,13 @@ def worker(args: argparse.Namespace) -> None:
         dist.all_gather_object(per_rank, (seconds, read))
         digest = _digest(model, optimizer)
         if rank == 0:
-            out = {"loader": args.loader, "seconds": [r[0] for r in per_rank],
-                   "bytes_read": [r[1] for r in per_rank], "job_seconds": job, "digest": digest}  # fmt: skip
+            out = {
+                "loader": args.loader,
+                "seconds": [r[0] for r in per_rank],
+                "bytes_read": [r[1] for r in per_rank],
+                "job_seconds": job,
+                "digest": digest,
+            }
             with (work / "runs.jsonl").open("a") as f:
                 f.write(json.dumps(out) + "\n")
     dist.barrier()

@@ -26,7 +26,7 @@ from typing import Any
 
 import pytest
 
-from tests.fixtures.run_fsdp import DS_LOADS, SAVES, build_jobs, run_fsdp
+from tests.fixtures.run_fsdp import DS_LOADS, SAVES, run_fsdp
 
 pytestmark = pytest.mark.deepspeed
 
@@ -36,21 +36,13 @@ def fsdp_results(ds_grid: Path, tmp_path_factory: pytest.TempPathFactory) -> dic
     return run_fsdp(ds_grid, tmp_path_factory.mktemp("fsdp"))
 
 
-def _names(kind: str) -> list[str]:
-    from tests.conftest import GRID_CACHE
-
-    if not GRID_CACHE.exists():  # collected without the grid: names only, from the tables
-        return []
-    return [j["name"] for j in build_jobs(GRID_CACHE, Path("/nonexistent")) if j["kind"] == kind]
-
-
 def _check(results: dict[str, Any], name: str) -> dict[str, Any]:
     result: dict[str, Any] = results[name]
     assert result["failures"] == [], "\n".join(result["failures"])
     return result
 
 
-@pytest.mark.parametrize("source,mesh", DS_LOADS, ids=[f"{s}-{m}" for s, m in DS_LOADS])
+@pytest.mark.parametrize(("source", "mesh"), DS_LOADS, ids=[f"{s}-{m}" for s, m in DS_LOADS])
 def test_deepspeed_to_fsdp2(fsdp_results: dict[str, Any], source: str, mesh: list[int]) -> None:
     result = _check(fsdp_results, f"{source}--to-fsdp-{'x'.join(map(str, mesh))}")
     assert result["bytes_read"] == result["bytes_predicted"], "reads differ from the planner's"

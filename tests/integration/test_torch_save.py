@@ -26,7 +26,9 @@ def _run(name: str, seed: int, adamw: bool) -> tuple[torch.nn.Module, torch.opti
     return model, cls(groups, lr=BASE_LR, betas=BETAS, eps=EPS, weight_decay=0.01)
 
 
-def _train(model: torch.nn.Module, optimizer: torch.optim.Optimizer, name: str, steps: range) -> list[float]:
+def _train(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, name: str, steps: range
+) -> list[float]:
     losses = []
     for step in steps:
         inputs, targets = make_batch(name, step)
@@ -76,5 +78,5 @@ def test_save_refuses_an_existing_store_and_a_load_refuses_another_model(tmp_pat
     uctorch.save(model, optimizer, tmp_path / "s", overwrite=True)
 
     other, other_optimizer = _run("multi", 1, True)
-    with pytest.raises(ModelMismatchError, match="fc1.weight"):
+    with pytest.raises(ModelMismatchError, match=r"fc1\.weight"):
         uctorch.load(other, other_optimizer, tmp_path / "s")

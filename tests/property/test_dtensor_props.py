@@ -95,7 +95,9 @@ def test_every_unit_has_one_writer_and_aligned_layouts_need_no_transfers(
         units.append((start, start + prod(p.stop - p.start for p in region)))
     plan = plan_unit_writes(units, holders)
     for (start, stop), write in zip(units, plan, strict=True):
-        check_tiling("unit", stop - start, ((p.start - start, p.stop - start) for p in write.pieces))
+        check_tiling(
+            "unit", stop - start, ((p.start - start, p.stop - start) for p in write.pieces)
+        )
         mine = sum(p.stop - p.start for p in write.pieces if p.rank == write.writer)
         assert mine == max(p.stop - p.start for p in write.pieces)
     if chunking != default or len(holders) == 1:

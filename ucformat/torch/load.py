@@ -34,23 +34,15 @@ from typing import Any
 
 import torch
 
-from ucformat._torch_dtensor import is_dtensor, reshard
-from ucformat._torch_save import save
 from ucformat.errors import ModelMismatchError, UnsupportedExportError
 from ucformat.models import ArrayRef, CheckpointManifest
 from ucformat.pyvalue import decode
 from ucformat.reader import BUFFER_STATE, UniversalCheckpoint, open_checkpoint, scalar_value
 from ucformat.spec import FP32_STATE, STEP_STATE
 from ucformat.store.keys import StoreLike
+from ucformat.torch.dtensor import is_dtensor, reshard
 
-__all__ = [
-    "TorchLoadReport",
-    "load",
-    "model_state_dict",
-    "optimizer_state_dict",
-    "save",
-    "state_dicts",
-]
+__all__ = ["TorchLoadReport", "load", "model_state_dict", "optimizer_state_dict", "state_dicts"]
 
 _FLOATING = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
 #: Keys of a torch Adam/AdamW param group besides ``params``, with torch's defaults.
@@ -325,7 +317,7 @@ def load(
     report = TorchLoadReport()
     reshard(model)  # FSDP2 modules left unsharded by an evaluation forward
     if any(is_dtensor(p) for p in model.parameters()):
-        from ucformat._torch_sharded_load import load_sharded
+        from ucformat.torch.sharded_load import load_sharded
 
         load_sharded(model, optimizer, ckpt, strict, report)
         return report

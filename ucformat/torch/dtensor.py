@@ -149,7 +149,7 @@ def persistent_buffers(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     state-dict hooks reshard parameters, which must not happen inside a save or a load)."""
     out: dict[str, torch.Tensor] = {}
     for prefix, module in model.named_modules(remove_duplicate=True):
-        skip = getattr(module, "_non_persistent_buffers_set", set())
+        skip: set[str] = getattr(module, "_non_persistent_buffers_set", set())
         for name, buffer in module.named_buffers(recurse=False):
             if name not in skip and buffer is not None:
                 out[f"{prefix}.{name}" if prefix else name] = buffer

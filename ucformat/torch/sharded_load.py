@@ -6,7 +6,7 @@ What :func:`ucformat.torch.load` runs when the model holds DTensors. Per rank:
    param groups with the stored ones, matched by the parameter names they hold; with
    ``strict=True`` any difference fails here, before anything changes;
 2. read, into new tensors, exactly the flat range of every array this rank's local shards cover
-   (:mod:`ucformat._torch_dtensor`): the fp32 weights and every optimizer state of each
+   (:mod:`ucformat.torch.dtensor`): the fp32 weights and every optimizer state of each
    parameter, frozen parameters, buffers (whole: they are not sharded). A rank whose shard of a
    parameter is empty reads nothing for it;
 3. agree with every other rank that all reads succeeded (one all-reduce), then write: local
@@ -24,7 +24,6 @@ from typing import Any
 
 import torch
 
-from ucformat._torch_dtensor import LocalShard, local_shard, persistent_buffers
 from ucformat.dtypes import itemsize
 from ucformat.errors import (
     LoadAbortedError,
@@ -36,6 +35,8 @@ from ucformat.models import CheckpointManifest
 from ucformat.pyvalue import decode
 from ucformat.reader import BUFFER_STATE, UniversalCheckpoint, scalar_value
 from ucformat.spec import FP32_STATE, STEP_STATE
+from ucformat.torch.dtensor import LocalShard, local_shard, persistent_buffers
+from ucformat.torch.load import _merged_group, _torch_step
 
 __all__ = ["load_sharded"]
 
@@ -96,8 +97,6 @@ def _match_groups(
 ) -> list[tuple[int, dict[str, Any]]]:
     """For each live param group: the stored group holding the same parameters, and the
     hyper-parameters it gets. Raises before anything changes if a group has no match."""
-    from ucformat.torch import _merged_group
-
     if manifest.optimizer is None:
         raise UnsupportedExportError(
             "this store holds no optimizer state; pass optimizer=None to load the model only."
@@ -183,8 +182,6 @@ def load_sharded(
     report: Any,
 ) -> None:
     """Fill ``model`` (DTensor parameters) and ``optimizer`` from ``ckpt``; fill ``report``."""
-    from ucformat.torch import _torch_step
-
     started = time.perf_counter()
     before = ckpt.stats.bytes_read
     manifest = ckpt.manifest

@@ -4,7 +4,7 @@ Works for a plain model in one process and, collectively, for a model whose para
 DTensors (FSDP2, HSDP) under ``torch.distributed``. Every rank runs the same steps:
 
 1. describe the model and the optimizer: every parameter (tied ones once), buffer, optimizer
-   state and param group, with each rank's local shard (:mod:`ucformat._torch_dtensor`). The
+   state and param group, with each rank's local shard (:mod:`ucformat.torch.dtensor`). The
    ranks exchange this small description once, so they all plan the same store;
 2. plan the store with the converter's planner (:func:`ucformat.plan.plan_convert`). Each
    array is described by its owners' flat ranges (:func:`ucformat.layout.dtensor.owners`: one
@@ -39,20 +39,11 @@ import zarr
 from zarr.abc.store import Store
 from zarr.storage import LocalStore
 
-from ucformat._torch_dtensor import (
-    LocalShard,
-    is_dtensor,
-    local_shard,
-    mesh_ranks,
-    persistent_buffers,
-    reshard,
-)
 from ucformat.convert import _prepare_destination
 from ucformat.dtypes import dtype_name, itemsize, numpy_storage_dtype, torch_to_storage
 from ucformat.errors import SaveAbortedError, StoreExistsError, UCFormatError
 from ucformat.layout.chunking import Chunking, ChunkPolicy
 from ucformat.layout.dtensor import Owner, UnitWrite, aligned_chunking, owners, plan_unit_writes
-from ucformat.manifest_io import commit_manifest
 from ucformat.models import (
     CheckpointManifest,
     ClientState,
@@ -78,8 +69,18 @@ from ucformat.spec import (
     buffer_array_path,
     state_array_path,
 )
+from ucformat.store.arrays import array_from_manifest, create_arrays
+from ucformat.store.keys import StoreLike, open_store
+from ucformat.store.manifest_io import commit_manifest
+from ucformat.torch.dtensor import (
+    LocalShard,
+    is_dtensor,
+    local_shard,
+    mesh_ranks,
+    persistent_buffers,
+    reshard,
+)
 from ucformat.writer import DEFAULT_WORKERS, write_units
-from ucformat.zarr_io import StoreLike, array_from_manifest, create_arrays, open_store
 
 __all__ = ["save"]
 
