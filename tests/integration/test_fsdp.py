@@ -16,7 +16,8 @@ worker tests/fixtures/_fsdp_worker.py):
 * read cost: each rank's bytes read equal the read planner's prediction byte for byte, and
   for the ~1.6M-param model they are within 1.1x of the bytes the rank needs;
 * bad input: a model that does not match the store fails with one line naming the params and
-  changes nothing; a save onto an existing store without ``overwrite`` fails on every rank.
+  changes nothing; a save onto an existing store without ``overwrite`` fails on every rank, and
+  a save in which one rank cannot write raises on every rank and commits nothing.
 """
 
 from __future__ import annotations
