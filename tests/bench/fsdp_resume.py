@@ -67,7 +67,7 @@ def _sharded(hidden: int, layers: int, seed: int) -> tuple[torch.nn.Module, Any]
 def _digest(model: torch.nn.Module, optimizer: Any) -> str:
     digest = hashlib.sha256()
     for param in model.parameters():
-        digest.update(param.full_tensor().numpy().tobytes())
+        digest.update(param.full_tensor().detach().numpy().tobytes())
         for key in ("exp_avg", "exp_avg_sq"):
             digest.update(optimizer.state[param][key].full_tensor().numpy().tobytes())
         digest.update(str(float(optimizer.state[param]["step"])).encode())
