@@ -15,9 +15,10 @@ from rich.progress import (
     TimeRemainingColumn,
     TransferSpeedColumn,
 )
-from ucformat_cli._errors import user_errors
 
 from ucformat.summary import format_bytes
+
+from ._errors import user_errors
 
 if TYPE_CHECKING:
     from ucformat.plan import ConvertPlan

@@ -12,9 +12,10 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn
-from ucformat_cli._errors import user_errors
 
 from ucformat.errors import UnsupportedExportError
+
+from ._errors import user_errors
 
 if TYPE_CHECKING:  # the exporters (and torch) are imported by the command that runs
     from ucformat.export import ExportHooks, ExportResult

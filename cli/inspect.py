@@ -9,11 +9,12 @@ from typing import Annotated
 import typer
 from rich.console import Console
 from rich.markup import escape
-from ucformat_cli._errors import user_errors
-from ucformat_cli._table import render_table
 
 from ucformat.store.manifest_io import load_manifest
 from ucformat.summary import format_bytes, summarize
+
+from ._errors import user_errors
+from ._table import render_table
 
 
 @user_errors
@@ -43,7 +44,7 @@ def inspect_command(
         for row in summary.params
         if not param or fnmatch.fnmatchcase(row.name, param)
     ]
-    columns = ("name", "shape", "dtype", "group", "states", "size")
+    columns: tuple[str, ...] = ("name", "shape", "dtype", "group", "states", "size")
     typer.echo(render_table("parameters", columns, params, right_aligned=frozenset({"size"})))
     if summary.groups:
         groups = [(str(index), str(count), hyper) for index, count, hyper in summary.groups]

@@ -5,12 +5,13 @@ from __future__ import annotations
 from typing import Annotated
 
 import typer
-from ucformat_cli.convert import convert_command
-from ucformat_cli.export import export_app
-from ucformat_cli.inspect import inspect_command
-from ucformat_cli.verify import verify_command
 
 from ucformat import __version__
+
+from .convert import convert_command
+from .export import export_app
+from .inspect import inspect_command
+from .verify import verify_command
 
 app = typer.Typer(
     name="ucformat",

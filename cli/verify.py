@@ -7,7 +7,8 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from ucformat_cli._errors import user_errors
+
+from ._errors import user_errors
 
 #: Exit code when verification ran and found problems (2 is for unusable input).
 PROBLEMS_FOUND = 1

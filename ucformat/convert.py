@@ -8,10 +8,6 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-import zarr
-from zarr.abc.store import Store
-from zarr.storage import LocalStore
-
 from ucformat.errors import StoreExistsError
 from ucformat.layout.chunking import ChunkPolicy
 from ucformat.models import CheckpointManifest
@@ -19,7 +15,8 @@ from ucformat.plan import ConvertOptions, ConvertPlan, plan_convert
 from ucformat.sources.deepspeed.checkpoint import read_deepspeed_checkpoint
 from ucformat.sources.safe_unpickle import PicklePolicy
 from ucformat.spec import FORMAT_NAME, FORMAT_VERSION, MANIFEST_KEY
-from ucformat.store.keys import StoreLike, delete_key, list_keys, open_store
+from ucformat.store.arrays import create_root_group
+from ucformat.store.keys import Store, StoreLike, delete_key, list_keys, local_root, open_store
 from ucformat.store.manifest_io import ROOT_KEY, commit_manifest
 from ucformat.writer import DEFAULT_WORKERS, create_arrays, write_units
 
@@ -99,19 +96,15 @@ def convert(
         store = open_store(dst, read_only=False)
         created = _prepare_destination(store, overwrite)
         try:
-            zarr.create_group(
-                store,
-                overwrite=True,
-                zarr_format=3,
-                attributes={
-                    FORMAT_NAME: {"format_version": FORMAT_VERSION, "manifest": MANIFEST_KEY}
-                },
+            create_root_group(
+                store, {FORMAT_NAME: {"format_version": FORMAT_VERSION, "manifest": MANIFEST_KEY}}
             )
             arrays = create_arrays(store, plan)
             write_units(plan, arrays, plan.units, workers=workers, progress=hooks.on_bytes)
         except BaseException:
-            if created and isinstance(store, LocalStore):
-                shutil.rmtree(store.root, ignore_errors=True)
+            root = local_root(store)
+            if created and root is not None:
+                shutil.rmtree(root, ignore_errors=True)
             raise
         return commit_manifest(store, plan.manifest)
 
@@ -132,8 +125,8 @@ def _pickle_policy(opaque_globals: Iterable[str]) -> PicklePolicy:
 
 def _prepare_destination(store: Store, overwrite: bool) -> bool:
     """Make ``store`` empty; return True if it did not exist before (local stores)."""
-    if isinstance(store, LocalStore):
-        root = Path(store.root)
+    root = local_root(store)
+    if root is not None:
         if root.exists() and not root.is_dir():
             raise StoreExistsError(f"{root}: exists and is a file; choose another destination.")
         if not root.exists() or not any(root.iterdir()):

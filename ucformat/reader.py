@@ -17,26 +17,21 @@ from typing import Any
 
 import numpy as np
 import torch
-import zarr
-from zarr.abc.store import Store
 
 from ucformat.dtypes import numpy_storage_dtype, storage_to_torch, torch_dtype
 from ucformat.errors import ParamNotFoundError
 from ucformat.layout.chunking import chunk_aligned_range
 from ucformat.layout.ranges import flat_range_to_boxes
 from ucformat.models import ArrayRef, CheckpointManifest, ScalarState
-from ucformat.spec import FP32_STATE, shard_object_key
-from ucformat.store.arrays import array_from_manifest, read_box
+from ucformat.spec import BUFFER_STATE, FP32_STATE, shard_object_key
+from ucformat.store.arrays import Array, array_from_manifest, read_box
 from ucformat.store.checked import CheckedStore, IOStats
 from ucformat.store.direct.memory import prefaulted_empty
-from ucformat.store.direct.shard_read import check_flat_range, read_flat_range
-from ucformat.store.keys import StoreLike, open_store
+from ucformat.store.direct.shard_read import NOT_APPLICABLE, check_flat_range, read_flat_range
+from ucformat.store.keys import Store, StoreLike, open_store
 from ucformat.store.manifest_io import read_manifest
 
 __all__ = ["BUFFER_STATE", "UniversalCheckpoint", "open_checkpoint", "scalar_value"]
-
-#: The state name under which :meth:`UniversalCheckpoint.read` returns a buffer.
-BUFFER_STATE = "buffer"
 
 
 def open_checkpoint(store: StoreLike) -> UniversalCheckpoint:
@@ -80,7 +75,7 @@ class UniversalCheckpoint:
         self.manifest = manifest
         self.where = where
         self.stats: IOStats = store.stats
-        self._arrays: dict[str, zarr.Array[Any]] = {}
+        self._arrays: dict[str, Array] = {}
         self._lock = threading.Lock()
 
     def __repr__(self) -> str:
@@ -117,7 +112,7 @@ class UniversalCheckpoint:
             )
         return ref
 
-    def _array(self, ref: ArrayRef) -> zarr.Array[Any]:
+    def _array(self, ref: ArrayRef) -> Array:
         """The zarr array of ``ref``, built from the manifest: no ``zarr.json`` is fetched.
 
         The manifest is digest-checked and fully describes each array (docs/format.md §3.1),
@@ -162,30 +157,37 @@ class UniversalCheckpoint:
         return tensor
 
     def check_range(self, ref: ArrayRef, start: int, stop: int) -> bool:
-        """Whether flat elements ``[start, stop)`` of ``ref`` can be read in place and every
-        chunk holding them passes its checksum (local uncompressed stores; no bytes copied).
+        """Whether flat elements ``[start, stop)`` of ``ref`` can be read in place, every chunk
+        holding them checked (crc32c, in place: no bytes copied).
 
-        False means "read through a staging buffer instead", not necessarily damage.
+        False means "read through a staging buffer instead" (compressed or remote stores,
+        layouts the direct path does not handle), never damage: damage raises.
 
         Raises:
             ChunkMissingError: a shard object holding part of the range is missing.
+            CorruptDataError: a chunk or shard index of the range does not check out; the
+                message names the array and the chunk (or shard object).
         """
         if start >= stop:
             return True
         key = functools.partial(shard_object_key, ref.path)
-        return check_flat_range(self.store, ref, key, start, stop)
+        result = check_flat_range(self.store, ref, key, start, stop)
+        if result.corrupt:
+            raise result.error(ref.path)
+        return result.ok
 
     def read_range_into(self, ref: ArrayRef, start: int, stop: int, out: np.ndarray) -> None:
         """Fill ``out`` (storage dtype, length ``stop - start``) with flat elements of ``ref``."""
         if start >= stop:
             return
         key = functools.partial(shard_object_key, ref.path)
-        if (
-            out.ndim == 1
-            and out.flags.c_contiguous
-            and read_flat_range(self.store, ref, key, start, stop, out)
-        ):
-            return  # uncompressed shards, every checksum good (else zarr reads and reports)
+        direct = NOT_APPLICABLE
+        if out.ndim == 1 and out.flags.c_contiguous:
+            direct = read_flat_range(self.store, ref, key, start, stop, out)
+        if direct.ok:
+            return  # uncompressed shards, every checksum good
+        # zarr reads the range; where the direct read found damage, zarr's decoder names the
+        # bad chunk, and where zarr would return values anyway the direct finding is raised
         array = self._array(ref)
         low, high = chunk_aligned_range(ref.shape, ref.chunk_shape, start, stop)
         boxes = flat_range_to_boxes(ref.shape, low, high)
@@ -193,4 +195,6 @@ class UniversalCheckpoint:
             values = read_box(array, boxes[0]).reshape(-1)
         else:
             values = np.concatenate([read_box(array, box).reshape(-1) for box in boxes])
+        if direct.corrupt:
+            raise direct.error(ref.path)
         out[:] = values[start - low : stop - low]

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from typing import Final
+
 __all__ = [
     "BUFFERS_PREFIX",
+    "BUFFER_STATE",
     "FORMAT_NAME",
     "FORMAT_VERSION",
     "FP32_STATE",
@@ -14,7 +17,7 @@ __all__ = [
     "state_array_path",
 ]
 
-FORMAT_NAME = "ucformat"
+FORMAT_NAME: Final = "ucformat"
 #: Major.minor. Readers accept any minor of their major and refuse a newer major.
 FORMAT_VERSION = "1.0"
 #: Key of the manifest in the store root. Written last; its presence marks the store complete.
@@ -23,6 +26,8 @@ PARAMS_PREFIX = "params"
 BUFFERS_PREFIX = "buffers"
 #: State name of the fp32 master weights (frozen params: their losslessly stored values).
 FP32_STATE = "fp32"
+#: The state name under which readers return a buffer (buffers have no optimizer states).
+BUFFER_STATE = "buffer"
 #: Optimizer step counter; kept in the manifest as a scalar, never as an array.
 STEP_STATE = "step"
 

@@ -18,20 +18,18 @@ import os
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
 
 import numpy as np
-import zarr
-from zarr.abc.store import Store
 
 from ucformat.dtypes import itemsize, numpy_storage_dtype, torch_to_storage
 from ucformat.models import ArrayRef
 from ucformat.plan import ConvertPlan, WriteUnit
 from ucformat.spec import shard_object_key
+from ucformat.store.arrays import Array, write_region, write_shard
 from ucformat.store.arrays import create_arrays as create_array_group
-from ucformat.store.arrays import write_region, write_shard
 from ucformat.store.direct.objects import local_object
 from ucformat.store.direct.shard_write import WINDOW_BYTES, encode_shard, shard_of, stream_shard
+from ucformat.store.keys import Store
 
 __all__ = ["DEFAULT_WORKERS", "create_arrays", "fill_unit", "write_units"]
 
@@ -42,7 +40,7 @@ DEFAULT_WORKERS = max(1, min(4, os.cpu_count() or 1))
 Progress = Callable[[int], None]
 
 
-def create_arrays(store: Store, plan: ConvertPlan) -> list[zarr.Array[Any]]:
+def create_arrays(store: Store, plan: ConvertPlan) -> list[Array]:
     """Create every array of ``plan`` (metadata only), in plan order."""
     return create_array_group(store, plan.arrays)
 
@@ -63,7 +61,7 @@ def fill_unit(ref: ArrayRef, unit: WriteUnit) -> np.ndarray:
 
 def write_units(
     plan: ConvertPlan,
-    arrays: Sequence[zarr.Array[Any]],
+    arrays: Sequence[Array],
     units: Sequence[WriteUnit],
     *,
     workers: int = DEFAULT_WORKERS,

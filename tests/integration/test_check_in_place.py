@@ -2,7 +2,8 @@
 
 ``UniversalCheckpoint.check_range`` must say yes exactly when every chunk holding a range is
 present and passes its checksum, on a real converted DeepSpeed fixture (64-byte chunks in
-256-byte shards, so ranges cross chunks and shards), and no for anything it cannot vouch for.
+256-byte shards, so ranges cross chunks and shards), raise for damage, naming the chunk, and say
+no (read through a staging buffer) for layouts it does not handle.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from pathlib import Path
 import pytest
 
 import ucformat
-from ucformat.errors import ChunkMissingError
+from ucformat.errors import ChunkMissingError, CorruptDataError
 from ucformat.layout.grid import chunk_flat_range
 from ucformat.models import ArrayRef
 
@@ -54,8 +55,14 @@ def test_a_flipped_byte_fails_exactly_the_ranges_that_hold_it(tmp_path: Path) ->
     ckpt = ucformat.open(store)
     first_chunk = chunk_flat_range(ref.shape, ref.shard_shape, (1, 0))[0]
     chunk_elements = CHUNK_BYTES // 4
-    assert not ckpt.check_range(ref, first_chunk, first_chunk + 1)
-    assert not ckpt.check_range(ref, 0, first_chunk + chunk_elements)
+    coords = (ref.shard_shape[0] // ref.chunk_shape[0], 0)  # the shard's first chunk
+    start, stop = chunk_flat_range(ref.shape, ref.chunk_shape, coords)
+    assert (start, stop) == (first_chunk, first_chunk + chunk_elements)
+    where = f"chunk {coords} (elements [{start}, {stop}))"
+    for low, high in [(first_chunk, first_chunk + 1), (0, first_chunk + chunk_elements)]:
+        with pytest.raises(CorruptDataError) as caught:
+            ckpt.check_range(ref, low, high)
+        assert str(caught.value).startswith(f"{ref.path}: {where} fails its crc32c checksum")
     assert ckpt.check_range(ref, 0, first_chunk)  # the first shard is intact
     assert ckpt.check_range(ref, first_chunk + chunk_elements, first_chunk + 2 * chunk_elements)
 
@@ -74,7 +81,8 @@ def test_a_short_shard_fails(tmp_path: Path, keep: int) -> None:
     _, ref = _biggest(store)
     shard = store / ref.path / "c" / "0" / "0"
     shard.write_bytes(shard.read_bytes()[:keep])
-    assert not ucformat.open(store).check_range(ref, 0, 1)
+    with pytest.raises(CorruptDataError, match=f"^{ref.path}: .*shard object '{ref.path}/c/0/0'"):
+        ucformat.open(store).check_range(ref, 0, 1)
 
 
 def test_compressed_stores_are_never_read_in_place(tmp_path: Path) -> None:

@@ -38,8 +38,8 @@ from ucformat.partitions import (
     read_flat_state,
 )
 from ucformat.pyvalue import decode
-from ucformat.reader import BUFFER_STATE, UniversalCheckpoint, open_checkpoint, scalar_value
-from ucformat.spec import FP32_STATE, STEP_STATE
+from ucformat.reader import UniversalCheckpoint, open_checkpoint, scalar_value
+from ucformat.spec import BUFFER_STATE, FP32_STATE, STEP_STATE
 from ucformat.store.keys import StoreLike
 
 __all__ = ["LoadReport", "load"]
@@ -345,13 +345,15 @@ def _read_frozen(
     owner = ckpt.manifest.resolve(name)
     ds_tensor = getattr(param, "ds_tensor", None)
     if view.kind == "zero3" and ds_tensor is not None:
-        numel, piece = int(param.ds_numel), int(ds_tensor.ds_numel)
+        # DeepSpeed sets ds_numel on ZeRO-3 params; torch's stubs cannot know it
+        numel = int(param.ds_numel)  # type: ignore[attr-defined]
+        piece = int(ds_tensor.ds_numel)
         rank = torch.distributed.get_rank(group=view.wrapper._get_param_partition_group(param))
         start, stop = min(rank * piece, numel), min((rank + 1) * piece, numel)
         values = ckpt.read_range(owner, FP32_STATE, start, stop)
         tally.bytes_needed += (stop - start) * 4
         return values
-    value = ckpt.read(owner, FP32_STATE)
+    value: torch.Tensor = ckpt.read(owner, FP32_STATE)
     tally.bytes_needed += value.numel() * 4
     return value
 
@@ -412,9 +414,9 @@ def _restore_optimizer(
         stored_class = manifest.optimizer.name.rpartition(".")[2] if manifest.optimizer else ""
         same_class = stored_class == type(optimizer).__name__
         for live, saved in zip(optimizer.param_groups, groups, strict=True):
-            for name, value in saved.hyperparams.items():
+            for name, hyper in saved.hyperparams.items():
                 if name != "params" and (same_class or name in live):
-                    live[name] = decode(value)
+                    live[name] = decode(hyper)
         report.restored.append("param-group hyper-parameters")
     view.relink_optimizer_state()
     keys = ", ".join(manifest.optimizer.state_keys) if manifest.optimizer else ""

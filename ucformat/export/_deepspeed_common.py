@@ -25,8 +25,8 @@ from ucformat.dtypes import torch_dtype
 from ucformat.errors import UnsupportedExportError
 from ucformat.models import CheckpointManifest
 from ucformat.pyvalue import decode
-from ucformat.reader import BUFFER_STATE, UniversalCheckpoint
-from ucformat.spec import FP32_STATE, STEP_STATE
+from ucformat.reader import UniversalCheckpoint
+from ucformat.spec import BUFFER_STATE, FP32_STATE, STEP_STATE
 
 __all__ = [
     "DeepSpeedClasses",

@@ -32,6 +32,12 @@ from ucformat.layout.partition import (
 )
 from ucformat.models import CheckpointManifest
 from ucformat.pyvalue import decode
+from ucformat.sources.deepspeed.files import (
+    BF16_PREFIX,
+    LATEST_FILE,
+    model_states_file,
+    optim_states_file,
+)
 
 __all__ = [
     "BF16_OPTIMIZER",
@@ -72,17 +78,15 @@ class NativeTarget:
     @property
     def file_prefix(self) -> str:
         """``bf16_`` when bf16 is enabled (whatever the stage), else empty."""
-        return "bf16_" if self.dtype == "bfloat16" else ""
+        return BF16_PREFIX if self.dtype == "bfloat16" else ""
 
     def optim_file(self, rank: int) -> str:
         """Optimizer-states file name of data-parallel ``rank``."""
-        return f"{self.file_prefix}zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
+        return optim_states_file(rank, self.file_prefix)
 
     def model_file(self, rank: int) -> str:
         """Model-states file name (ZeRO-1/2: one file; ZeRO-3: one per rank)."""
-        if self.stage == 3:
-            return f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt"
-        return "mp_rank_00_model_states.pt"
+        return model_states_file(rank if self.stage == 3 else None)
 
 
 @dataclass(frozen=True)
@@ -251,6 +255,6 @@ def plan_native(manifest: CheckpointManifest, target: NativeTarget) -> NativePla
     models = [target.model_file(r) for r in (ranks if target.stage == 3 else [0])]
     files = [f"{target.tag}/{name}" for name in models]
     files += [f"{target.tag}/{target.optim_file(r)}" for r in ranks]
-    files.append("latest")
+    files.append(LATEST_FILE)
     payload = _payload(groups, target, len(manifest.optimizer.state_keys))
     return NativePlan(target, tuple(groups), tuple(frozen_names(manifest)), tuple(files), payload)

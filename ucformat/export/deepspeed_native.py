@@ -52,6 +52,7 @@ from ucformat.export._native_files import RankFiles, frozen_fragments
 from ucformat.export._native_target import NativePlan, native_target, plan_native
 from ucformat.models import CheckpointManifest
 from ucformat.reader import UniversalCheckpoint
+from ucformat.sources.deepspeed.files import LATEST_FILE
 from ucformat.store.keys import StoreLike
 from ucformat.summary import format_bytes
 
@@ -124,7 +125,7 @@ def _count(number: int, noun: str) -> str:
 
 
 def _owned(tag: str) -> Any:
-    return lambda name: name in (tag, "latest")
+    return lambda name: name in (tag, LATEST_FILE)
 
 
 def export_deepspeed(
@@ -187,7 +188,7 @@ def export_deepspeed(
         for rank in range(target.world_size):
             atomic_torch_save(files.optimizer_file(rank), tag_dir / target.optim_file(rank))
             hooks.advance(files.payload_per_rank)
-        atomic_write_bytes(folder / "latest", target.tag.encode())
+        atomic_write_bytes(folder / LATEST_FILE, target.tag.encode())
     else:
         prepare_destination(folder, overwrite=overwrite, owned=_owned(target.tag), dry_run=True)
     verb = "would write" if dry_run else "wrote"

@@ -53,6 +53,7 @@ from ucformat.export._deepspeed_common import (
 from ucformat.models import CheckpointManifest
 from ucformat.pyvalue import decode
 from ucformat.reader import UniversalCheckpoint, scalar_value
+from ucformat.sources.deepspeed.files import model_states_file
 from ucformat.spec import FP32_STATE, STEP_STATE
 from ucformat.store.keys import StoreLike
 from ucformat.summary import format_bytes
@@ -60,8 +61,8 @@ from ucformat.summary import format_bytes
 __all__ = ["LATEST_UNIVERSAL", "export_deepspeed_universal", "plan_deepspeed_universal"]
 
 LATEST_UNIVERSAL = "latest_universal"
-MODEL_FILE = "mp_rank_00_model_states.pt"
-ZERO3_MODEL_FILE = "zero_pp_rank_0_mp_rank_00_model_states.pt"
+MODEL_FILE = model_states_file()
+ZERO3_MODEL_FILE = model_states_file(0)
 OPTIMIZER_FILE = "zero/optimizer_state.pt"
 
 

@@ -47,8 +47,8 @@ from ucformat.export._common import (
     prepare_destination,
 )
 from ucformat.models import CheckpointManifest
-from ucformat.reader import BUFFER_STATE, UniversalCheckpoint
-from ucformat.spec import FP32_STATE
+from ucformat.reader import UniversalCheckpoint
+from ucformat.spec import BUFFER_STATE, FP32_STATE
 from ucformat.store.keys import StoreLike
 from ucformat.summary import format_bytes
 

@@ -130,8 +130,13 @@ def scalar_state(value: Any, where: str) -> ScalarState:
     if isinstance(value, float):
         return ScalarState(kind="float", value=value)
     if isinstance(value, TensorRef) and value.numel == 1 and not value.shape:
-        return ScalarState(kind="tensor", value=value.item(), dtype=value.dtype_name)
+        return _tensor_scalar(value.item(), value.dtype_name)
     torch = sys.modules.get("torch")  # a torch tensor exists only once torch is imported
     if torch is not None and isinstance(value, torch.Tensor) and value.dim() == 0:
-        return ScalarState(kind="tensor", value=value.item(), dtype=dtype_name(value.dtype))
+        return _tensor_scalar(value.item(), dtype_name(value.dtype))
     raise TypeError(f"{where}: expected a scalar optimizer state, found {describe_type(value)}")
+
+
+def _tensor_scalar(value: Any, dtype: str) -> ScalarState:
+    """A 0-d tensor's state; pydantic checks that ``dtype`` is a manifest dtype name."""
+    return ScalarState.model_validate({"kind": "tensor", "value": value, "dtype": dtype})

@@ -163,9 +163,7 @@ class TensorRef:
                 f"{self.numel} elements."
             )
         item = self.storage.itemsize
-        self.file.read_bytes(
-            self.storage.key, (self.offset + start) * item, memoryview(out).cast("B")
-        )
+        self.file.read_bytes(self.storage.key, (self.offset + start) * item, out.data.cast("B"))
 
     def read_scattered(self, start: int, views: Sequence[memoryview]) -> None:
         """Copy flat elements from ``start`` on into the byte ``views``, one after another.
@@ -198,7 +196,7 @@ class TensorRef:
         name = self.dtype_name
         value = np.empty(1, dtype=numpy_storage_dtype(name))
         self.file.read_bytes(self.storage.key, self.offset * self.storage.itemsize,
-                             memoryview(value).cast("B"))  # fmt: skip
+                             value.data.cast("B"))  # fmt: skip
         if name == "bfloat16":  # the upper half of a float32: widen the bits, exactly
             return float((value.astype(np.uint32) << 16).view(np.float32)[0])
         return value.item()  # type: ignore[no-any-return]
@@ -216,7 +214,7 @@ class TensorRef:
             return storage_to_torch(flat, name).reshape(self.shape)
         span = self.offset + sum((d - 1) * s for d, s in zip(self.shape, self.stride, strict=True))
         whole = np.empty(span + 1, dtype=numpy_storage_dtype(name))
-        self.file.read_bytes(self.storage.key, 0, memoryview(whole).cast("B"))
+        self.file.read_bytes(self.storage.key, 0, whole.data.cast("B"))
         base = storage_to_torch(whole, name)
         return base.as_strided(self.shape, self.stride, self.offset).clone()
 

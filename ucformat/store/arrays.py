@@ -18,25 +18,23 @@ import functools
 import json
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeAlias
 
 import numpy as np
 import zarr
 from zarr.abc.store import Store
+from zarr.buffer import default_buffer_prototype
 from zarr.codecs import BytesCodec, Crc32cCodec, ZstdCodec
-from zarr.core.array import AsyncArray
-from zarr.core.buffer import default_buffer_prototype
-from zarr.core.metadata.v3 import ArrayV3Metadata
-from zarr.core.sync import sync
 from zarr.storage import MemoryStore, StorePath
 
 from ucformat.dtypes import numpy_storage_dtype
 from ucformat.errors import ChunkMissingError, CorruptDataError
 from ucformat.layout.grid import chunk_box, chunk_flat_range, chunks_in_box
 from ucformat.models import ArrayRef
-from ucformat.store.keys import read_key
+from ucformat.store.keys import read_key, run
 
 __all__ = [
+    "Array",
     "BadChunk",
     "array_from_manifest",
     "bad_chunks",
@@ -44,12 +42,22 @@ __all__ = [
     "codec_chain",
     "create_array",
     "create_arrays",
+    "create_root_group",
     "expected_metadata",
     "open_array",
     "read_box",
     "write_region",
     "write_shard",
 ]
+
+
+#: A zarr array, as the rest of ucformat names it (it never imports zarr itself).
+Array: TypeAlias = "zarr.Array[Any]"
+
+
+def create_root_group(store: Store, attributes: dict[str, Any]) -> None:
+    """Write the store's root group (its ``zarr.json``) with ``attributes``, replacing any."""
+    zarr.create_group(store, overwrite=True, zarr_format=3, attributes=attributes)
 
 
 def codec_chain(compressor: str) -> list[Any]:
@@ -106,7 +114,7 @@ def create_arrays(store: Store, refs: Sequence[ArrayRef]) -> list[zarr.Array[Any
             *(store.set(key, prototype.buffer.from_bytes(data)) for key, data in documents.items())
         )
 
-    sync(write_all())
+    run(write_all())
     return [array_from_manifest(store, ref) for ref in refs]
 
 
@@ -170,8 +178,7 @@ def expected_metadata(ref: ArrayRef) -> dict[str, Any]:
 
 def array_from_manifest(store: Store, ref: ArrayRef) -> zarr.Array[Any]:
     """The array described by ``ref``, opened without reading its ``zarr.json``."""
-    metadata = ArrayV3Metadata.from_dict(expected_metadata(ref))
-    return zarr.Array(AsyncArray(metadata=metadata, store_path=StorePath(store, ref.path)))
+    return zarr.Array.from_dict(StorePath(store, ref.path), expected_metadata(ref))
 
 
 def chunk_key(array: zarr.Array[Any], coords: tuple[int, ...]) -> str:
@@ -187,7 +194,7 @@ def write_region(array: zarr.Array[Any], region: tuple[slice, ...], data: np.nda
 def write_shard(array: zarr.Array[Any], shard: tuple[int, ...], data: np.ndarray) -> None:
     """Store ``data`` (``uint8``, an encoded shard object) as shard ``shard`` of ``array``."""
     buffer = default_buffer_prototype().buffer.from_array_like(data)
-    sync(array.store_path.store.set(chunk_key(array, shard), buffer))
+    run(array.store_path.store.set(chunk_key(array, shard), buffer))
 
 
 def read_box(array: zarr.Array[Any], box: tuple[slice, ...]) -> np.ndarray:

@@ -14,6 +14,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from zarr.abc.buffer import Buffer, BufferPrototype
 from zarr.abc.store import (
     ByteRequest,
     OffsetByteRequest,
@@ -21,11 +22,11 @@ from zarr.abc.store import (
     Store,
     SuffixByteRequest,
 )
-from zarr.core.buffer import Buffer, BufferPrototype, default_buffer_prototype
-from zarr.core.sync import sync
+from zarr.buffer import default_buffer_prototype
 from zarr.storage import WrapperStore
 
 from ucformat.errors import ChunkMissingError
+from ucformat.store.keys import run
 
 __all__ = ["CheckedStore", "IOStats"]
 
@@ -77,6 +78,11 @@ class CheckedStore(WrapperStore[Store]):
         self.stats = stats if stats is not None else IOStats()
         self._cache = cache if cache is not None else _IndexCache()
 
+    @property
+    def wrapped(self) -> Store:
+        """The store this one reads from."""
+        return self._store
+
     def _with_store(self, store: Store) -> CheckedStore:
         return CheckedStore(store, self.stats, self._cache)
 
@@ -121,7 +127,7 @@ class CheckedStore(WrapperStore[Store]):
         try:
             fd = os.open(path, os.O_RDONLY)
         except FileNotFoundError:
-            return sync(self.get(key, default_buffer_prototype(), byte_range))
+            return run(self.get(key, default_buffer_prototype(), byte_range))
         try:
             size = os.fstat(fd).st_size
             if isinstance(byte_range, SuffixByteRequest):

@@ -7,20 +7,48 @@ so a missing data object is a loss, never a silent fill value.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
 from pathlib import Path
+from typing import Any, TypeVar
 
 from zarr.abc.store import Store
-from zarr.core.buffer import default_buffer_prototype
+from zarr.buffer import default_buffer_prototype
 from zarr.core.sync import sync
 from zarr.storage import FsspecStore, LocalStore
 
 from ucformat.errors import StoreAccessError
 from ucformat.store.locations import existing_store_directory, local_directory
 
-__all__ = ["StoreLike", "delete_key", "list_keys", "open_store", "read_key", "write_key"]
+__all__ = [
+    "Store",
+    "StoreLike",
+    "delete_key",
+    "list_keys",
+    "local_root",
+    "open_store",
+    "read_key",
+    "run",
+    "write_key",
+]
 
+#: What every public entry point accepts as a store.
 StoreLike = str | Path | Store
+
+_T = TypeVar("_T")
+
+
+def run(coroutine: Coroutine[Any, Any, _T]) -> _T:
+    """Run one of zarr's store coroutines to completion on zarr's own event loop.
+
+    The one use of ``zarr.core.sync``: zarr 3.1 has no public synchronous store API, and store
+    calls must run on the loop ``zarr.Array`` uses (an fsspec store is bound to it).
+    """
+    return sync(coroutine)
+
+
+def local_root(store: Store) -> Path | None:
+    """The directory of a local directory store, else None (object stores, memory)."""
+    return Path(store.root) if isinstance(store, LocalStore) else None
 
 
 def open_store(target: StoreLike, *, read_only: bool) -> Store:
@@ -52,19 +80,19 @@ def open_store(target: StoreLike, *, read_only: bool) -> Store:
 
 def read_key(store: Store, key: str) -> bytes | None:
     """The whole object at ``key``, or None if absent."""
-    result = sync(store.get(key, default_buffer_prototype()))
+    result = run(store.get(key, default_buffer_prototype()))
     return None if result is None else result.to_bytes()
 
 
 def write_key(store: Store, key: str, data: bytes) -> None:
     """Write one object (atomically on local disk and object stores)."""
-    sync(store.set(key, default_buffer_prototype().buffer.from_bytes(data)))
+    run(store.set(key, default_buffer_prototype().buffer.from_bytes(data)))
 
 
 def delete_key(store: Store, key: str) -> None:
     """Delete one object if present."""
-    if sync(store.exists(key)):
-        sync(store.delete(key))
+    if run(store.exists(key)):
+        run(store.delete(key))
 
 
 def list_keys(store: Store, prefix: str = "") -> list[str]:
@@ -73,4 +101,4 @@ def list_keys(store: Store, prefix: str = "") -> list[str]:
     async def collect(items: AsyncIterator[str]) -> list[str]:
         return [item async for item in items]
 
-    return sync(collect(store.list_prefix(prefix)))
+    return run(collect(store.list_prefix(prefix)))

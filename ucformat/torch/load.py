@@ -37,8 +37,8 @@ import torch
 from ucformat.errors import ModelMismatchError, UnsupportedExportError
 from ucformat.models import ArrayRef, CheckpointManifest
 from ucformat.pyvalue import decode
-from ucformat.reader import BUFFER_STATE, UniversalCheckpoint, open_checkpoint, scalar_value
-from ucformat.spec import FP32_STATE, STEP_STATE
+from ucformat.reader import UniversalCheckpoint, open_checkpoint, scalar_value
+from ucformat.spec import BUFFER_STATE, FP32_STATE, STEP_STATE
 from ucformat.store.keys import StoreLike
 from ucformat.torch.dtensor import is_dtensor, reshard
 

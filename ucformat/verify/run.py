@@ -31,8 +31,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import zarr
-from zarr.abc.store import Store
 
 from ucformat.dtypes import numpy_storage_dtype
 from ucformat.errors import (
@@ -45,6 +43,7 @@ from ucformat.layout.grid import chunk_box, chunk_flat_range, chunks_in_box, sha
 from ucformat.models import ArrayRef, CheckpointManifest
 from ucformat.spec import FORMAT_NAME, MANIFEST_KEY
 from ucformat.store.arrays import (
+    Array,
     BadChunk,
     array_from_manifest,
     bad_chunks,
@@ -54,7 +53,7 @@ from ucformat.store.arrays import (
 )
 from ucformat.store.checked import CheckedStore
 from ucformat.store.direct.shard_read import read_flat_range
-from ucformat.store.keys import StoreLike, list_keys, open_store, read_key
+from ucformat.store.keys import Store, StoreLike, list_keys, open_store, read_key
 from ucformat.store.manifest_io import (
     ROOT_KEY,
     digest_matches,
@@ -273,7 +272,7 @@ def _check_array(
 
 
 def _check_shard(
-    array: zarr.Array[Any],
+    array: Array,
     ref: ArrayRef,
     coords: tuple[int, ...],
     keys: set[str],
@@ -317,18 +316,22 @@ def _check_shard(
 
 
 def _read_shard(
-    array: zarr.Array[Any], ref: ArrayRef, region: tuple[slice, ...], start: int, stop: int
+    array: Array, ref: ArrayRef, region: tuple[slice, ...], start: int, stop: int
 ) -> np.ndarray:
     """The shard's values, flat, every chunk checked: by the readers' fast path when it can,
     else (or when anything does not check out) through zarr, which names the failing chunk."""
     values = np.empty(stop - start, dtype=numpy_storage_dtype(ref.dtype))
     store = array.store_path.store
-    if read_flat_range(store, ref, lambda shard: chunk_key(array, shard), start, stop, values):
+    direct = read_flat_range(store, ref, lambda shard: chunk_key(array, shard), start, stop, values)
+    if direct.ok:
         return values
-    return read_box(array, region).reshape(-1)
+    values = read_box(array, region).reshape(-1)
+    if direct.corrupt:  # damage zarr's decoder does not see (an absent chunk reads as zeros)
+        raise direct.error(ref.path)
+    return values
 
 
-def _bad_chunks(array: zarr.Array[Any], region: tuple[slice, ...]) -> list[BadChunk]:
+def _bad_chunks(array: Array, region: tuple[slice, ...]) -> list[BadChunk]:
     try:
         return list(bad_chunks(array, region))
     except ChunkMissingError:  # deleted while we were reading it

@@ -32,15 +32,20 @@ from ucformat.models import (
 )
 from ucformat.pyvalue import encode, try_encode
 from ucformat.sources.base import ArraySource, SourceCheckpoint, SourceFragment, SourceParam
-from ucformat.sources.deepspeed.files import ZeroFiles, find_zero_files, locate_tag_folder
+from ucformat.sources.deepspeed.files import (
+    ZeroFiles,
+    find_zero_files,
+    locate_tag_folder,
+    model_states_file,
+)
 from ucformat.sources.deepspeed.states import (
-    FP32,
     FlatStates,
     read_zero3_states,
     read_zero12_states,
 )
 from ucformat.sources.safe_unpickle import PicklePolicy, StandIn
 from ucformat.sources.torchfile import TensorRef, TorchFile, open_torch_file
+from ucformat.spec import FP32_STATE
 
 __all__ = ["read_deepspeed_checkpoint"]
 
@@ -103,7 +108,7 @@ def _close(handles: list[TorchFile]) -> None:
 
 def _check_model_file(folder: Path, policy: PicklePolicy | None) -> None:
     """Raise NotACheckpointError if the folder's first model-states file is not DeepSpeed's."""
-    for name in ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt"):
+    for name in (model_states_file(), model_states_file(0)):
         if (folder / name).is_file():
             with open_torch_file(folder / name, policy) as handle:
                 _model_meta(handle)
@@ -119,7 +124,7 @@ def _open(path: Path, policy: PicklePolicy | None, handles: list[TorchFile]) -> 
 def _model_meta(handle: TorchFile) -> Mapping[str, Any]:
     meta = handle.obj
     missing = [k for k in _REQUIRED_KEYS if not isinstance(meta, Mapping) or k not in meta]
-    if missing:
+    if missing or not isinstance(meta, Mapping):
         raise NotACheckpointError(
             f"{handle.path}: missing key(s) {', '.join(repr(k) for k in missing)}; not a "
             "DeepSpeed ZeRO model-states file."
@@ -214,12 +219,12 @@ def _trainable_params(
     params: dict[str, SourceParam] = {}
     for name, group in flat.groups.items():
         arrays = flat.arrays.get(name, {})
-        if FP32 not in arrays:
+        if FP32_STATE not in arrays:
             raise LayoutMismatchError(f"param '{name}': no shard holds any of its fp32 values.")
         placeholder = module.get(name)
         dtype = placeholder.dtype_name if isinstance(placeholder, TensorRef) else train_dtype
         params[name] = SourceParam(
-            shape=arrays[FP32].shape,
+            shape=arrays[FP32_STATE].shape,
             dtype=dtype,
             requires_grad=True,
             group=group,
@@ -253,6 +258,11 @@ def _frozen_params(
     for name, shape in shapes.items():
         dims = tuple(int(d) for d in shape)
         if stage == 2:
+            if fragments is None:
+                raise NotACheckpointError(
+                    f"{models[0].path}: has 'frozen_param_shapes' but no "
+                    "'frozen_param_fragments'; not a DeepSpeed ZeRO-2 model-states file."
+                )
             frozen[name] = _frozen(_whole(fragments[name], models[0], name, dims))
             continue
         layout = PerParamLayout.build([(name, prod(dims))], world_size)
@@ -268,7 +278,11 @@ def _frozen_params(
 
 def _frozen(array: ArraySource) -> SourceParam:
     return SourceParam(
-        shape=array.shape, dtype=array.dtype, requires_grad=False, group=None, arrays={FP32: array}
+        shape=array.shape,
+        dtype=array.dtype,
+        requires_grad=False,
+        group=None,
+        arrays={FP32_STATE: array},
     )
 
 
@@ -298,7 +312,7 @@ def _optimizer_info(flat: FlatStates, ds_config: Any) -> OptimizerInfo:
         raw = flat.param_groups[index] if index < len(flat.param_groups) else {}
         hyper = {str(k): encode(v) for k, v in raw.items() if k != "params"}
         groups.append(OptimizerGroup(params=members.get(index, []), hyperparams=hyper))
-    state_keys = sorted({k for a in flat.arrays.values() for k in a if k != FP32})
+    state_keys = sorted({k for a in flat.arrays.values() for k in a if k != FP32_STATE})
     scalar_keys = sorted({k for s in flat.scalars.values() for k in s})
     name, adam_w = _optimizer_name(ds_config, flat.param_groups[0] if flat.param_groups else {})
     return OptimizerInfo(

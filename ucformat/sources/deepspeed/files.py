@@ -23,7 +23,34 @@ from ucformat.errors import (
     UnsupportedCheckpointError,
 )
 
-__all__ = ["ZeroFiles", "find_zero_files", "locate_tag_folder"]
+__all__ = [
+    "BF16_PREFIX",
+    "LATEST_FILE",
+    "ZeroFiles",
+    "find_zero_files",
+    "locate_tag_folder",
+    "model_states_file",
+    "optim_states_file",
+]
+
+#: The file of a run folder that names its latest tag.
+LATEST_FILE = "latest"
+#: The name prefix of the optimizer-states files a bf16 run writes (fp16: ``fp16_``).
+BF16_PREFIX = "bf16_"
+
+
+def model_states_file(rank: int | None = None) -> str:
+    """The model-states file name: ZeRO-1/2's one file (``rank`` None), else ZeRO-3's file of
+    data-parallel ``rank`` (model-parallel rank 0, the only one ucformat reads or writes)."""
+    if rank is None:
+        return "mp_rank_00_model_states.pt"
+    return f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt"
+
+
+def optim_states_file(rank: int, prefix: str = "") -> str:
+    """The optimizer-states file name of data-parallel ``rank`` (``prefix``: ``bf16_``, ...)."""
+    return f"{prefix}zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
+
 
 _OPTIM = re.compile(
     r"^(?P<prefix>bf16_|fp16_)?zero_pp_rank_(?P<dp>\d+)_mp_rank_(?P<mp>\d+)_optim_states\.pt$"
@@ -75,7 +102,7 @@ def locate_tag_folder(src: Path, tag: str | None = None) -> tuple[Path, str]:
         return folder, tag
     if any(_is_model_file(p.name) for p in src.iterdir()):
         return src, src.name
-    latest = src / "latest"
+    latest = src / LATEST_FILE
     if latest.is_file():
         name = latest.read_text().strip()
         folder = src / name
@@ -85,8 +112,8 @@ def locate_tag_folder(src: Path, tag: str | None = None) -> tuple[Path, str]:
             )
         return folder, name
     raise NotACheckpointError(
-        f"{src}: no DeepSpeed model-states file (mp_rank_00_model_states.pt or "
-        "zero_pp_rank_0_mp_rank_00_model_states.pt) and no 'latest' file; expected a DeepSpeed "
+        f"{src}: no DeepSpeed model-states file ({model_states_file()} or "
+        f"{model_states_file(0)}) and no '{LATEST_FILE}' file; expected a DeepSpeed "
         "ZeRO checkpoint tag folder or the run folder above it."
     )
 
@@ -143,8 +170,8 @@ def find_zero_files(folder: Path, tag: str) -> ZeroFiles:
         )
     if not model_z12 and not model_z3:
         raise NotACheckpointError(
-            f"{folder}: no DeepSpeed model-states file (mp_rank_00_model_states.pt or "
-            "zero_pp_rank_0_mp_rank_00_model_states.pt); not a DeepSpeed checkpoint folder."
+            f"{folder}: no DeepSpeed model-states file ({model_states_file()} or "
+            f"{model_states_file(0)}); not a DeepSpeed checkpoint folder."
         )
     if not optim:
         raise UnsupportedCheckpointError(
@@ -161,7 +188,7 @@ def find_zero_files(folder: Path, tag: str) -> ZeroFiles:
     for rank in range(world_size):
         if rank not in optim:
             raise SourceNotFoundError(
-                f"{folder / f'{prefix}zero_pp_rank_{rank}_mp_rank_00_optim_states.pt'}: missing; "
+                f"{folder / optim_states_file(rank, prefix)}: missing; "
                 f"the folder has optimizer shards up to rank {world_size - 1}, so every rank "
                 f"0..{world_size - 1} must be present."
             )
@@ -169,7 +196,7 @@ def find_zero_files(folder: Path, tag: str) -> ZeroFiles:
         for rank in range(world_size):
             if rank not in model_z3:
                 raise SourceNotFoundError(
-                    f"{folder / f'zero_pp_rank_{rank}_mp_rank_00_model_states.pt'}: missing; "
+                    f"{folder / model_states_file(rank)}: missing; "
                     f"ZeRO-3 writes one model-states file per rank (found {world_size} optimizer "
                     "shards)."
                 )

@@ -18,10 +18,9 @@ from ucformat.layout.partition import Fragment, PartitionedFlatLayout, PerParamL
 from ucformat.models import ScalarState
 from ucformat.sources.base import ArraySource, SourceFragment, scalar_state
 from ucformat.sources.torchfile import TensorRef, TorchFile
+from ucformat.spec import FP32_STATE
 
 __all__ = ["FlatStates", "read_zero12_states", "read_zero3_states"]
-
-FP32 = "fp32"
 
 
 @dataclass
@@ -97,8 +96,8 @@ def _split_state(
                 scalars[str(key)] = scalar_state(value, f"{handle.path}: {where} '{key}'")
             except TypeError as exc:
                 raise LayoutMismatchError(str(exc)) from None
-    if FP32 in arrays:
-        raise LayoutMismatchError(f"{handle.path}: optimizer state key '{FP32}' is reserved.")
+    if FP32_STATE in arrays:
+        raise LayoutMismatchError(f"{handle.path}: optimizer state key '{FP32_STATE}' is reserved.")
     return arrays, scalars
 
 
@@ -153,7 +152,9 @@ def read_zero12_states(
                 low = valid if elastic else size
                 _check_length(tensor, low, size, handle, f"state '{key}' of group {g}")
             _record_scalars(states, [n for n, _ in params], scalars, handle)
-            _add_fragments(states, list(layout.fragments(rank)), {FP32: fp32, **tensors}, shapes)
+            _add_fragments(
+                states, list(layout.fragments(rank)), {FP32_STATE: fp32, **tensors}, shapes
+            )
     if not elastic:
         states.param_groups = [dict(group) for group in base0["param_groups"]]
     return states
@@ -202,5 +203,7 @@ def read_zero3_states(
                 _check_length(tensor, size, size, handle, f"state '{key}' of sub-group {sg}")
             _record_scalars(states, [n for n, _ in params], scalars, handle)
             rank = optim.index(handle)
-            _add_fragments(states, list(layout.fragments(rank)), {FP32: fp32, **tensors}, shapes)
+            _add_fragments(
+                states, list(layout.fragments(rank)), {FP32_STATE: fp32, **tensors}, shapes
+            )
     return states

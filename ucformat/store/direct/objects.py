@@ -17,11 +17,10 @@ from pathlib import Path
 
 import numpy as np
 from zarr.abc.store import ByteRequest, RangeByteRequest, Store, SuffixByteRequest
-from zarr.core.buffer import default_buffer_prototype
-from zarr.core.sync import sync
-from zarr.storage import LocalStore, WrapperStore
+from zarr.buffer import default_buffer_prototype
 
 from ucformat.store.checked import CheckedStore
+from ucformat.store.keys import local_root, run
 
 __all__ = ["fetch_bytes", "local_file", "local_object"]
 
@@ -44,15 +43,15 @@ def fetch_bytes(
     if isinstance(store, CheckedStore) and path is not None:
         result = store.get_local(path, key, request)
     else:
-        result = sync(store.get(key, default_buffer_prototype(), request))
+        result = run(store.get(key, default_buffer_prototype(), request))
     return None if result is None else result.as_numpy_array()
 
 
 def local_file(store: Store, key: str) -> Path | None:
-    """The file holding ``key`` if ``store`` is (a wrapper of) a local directory store."""
-    while isinstance(store, WrapperStore):
-        store = store._store
-    return Path(store.root) / key if isinstance(store, LocalStore) else None
+    """The file holding ``key`` if ``store`` is (a :class:`CheckedStore` of) a local directory
+    store."""
+    root = local_root(store.wrapped if isinstance(store, CheckedStore) else store)
+    return None if root is None else root / key
 
 
 @contextlib.contextmanager

@@ -16,23 +16,33 @@ same read (the chunks and the index: :mod:`ucformat.layout.reads`), and they are
 reader's :class:`~ucformat.store.checked.IOStats`; what is saved is zarr's per-chunk decode (a
 coroutine, an output array and a copy per chunk) and the reader's copy out of zarr's result.
 
-Anything unexpected (a bad checksum, an index entry that is absent or of the wrong size, a short
-or missing object, a layout that does not tile the range) makes :func:`read_flat_range` return
-False; the caller then reads through zarr, which raises the error that names the array and the
-chunk (docs/format.md §7). ``out`` may then hold garbage, never data the caller trusts.
+Three outcomes, never confused (:class:`DirectRead`):
+
+* ``OK``: every byte read (or checked) and every checksum good;
+* ``NOT_APPLICABLE``: a layout this path does not handle (compressed or scalar arrays, chunks
+  that are not flat-contiguous, an ``out`` that is not the range's size, an object that cannot be
+  opened); the caller reads through zarr, and ``out`` may hold garbage;
+* ``CORRUPT``: the bytes do not check out (a chunk or index failing its crc32c, an index entry
+  that is absent or of the wrong size, an object shorter than its index says). The caller still
+  reads through zarr first, so that zarr's decoder names the bad chunk where it can (docs/format.md
+  §7); where zarr would return values anyway (an absent chunk reads as fill values), the caller
+  raises :meth:`DirectRead.error`. Corrupt data is never returned as values.
 """
 
 from __future__ import annotations
 
+import enum
 import mmap
 import os
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 
 import crc32c
 import numpy as np
 from zarr.abc.store import Store
 
 from ucformat.dtypes import itemsize
+from ucformat.errors import CorruptDataError
 from ucformat.layout.shards import (
     ABSENT,
     CRC_BYTES,
@@ -46,61 +56,106 @@ from ucformat.store.checked import CheckedStore
 from ucformat.store.direct.fileio import preadv_all
 from ucformat.store.direct.objects import fetch_bytes, local_file
 
-__all__ = ["check_flat_range", "read_flat_range"]
+__all__ = ["NOT_APPLICABLE", "OK", "DirectRead", "Outcome", "check_flat_range", "read_flat_range"]
 
 ShardKey = Callable[[tuple[int, ...]], str]
 
 
+class Outcome(enum.Enum):
+    """How a direct read or check ended."""
+
+    OK = "ok"
+    NOT_APPLICABLE = "not applicable"
+    CORRUPT = "corrupt"
+
+
+@dataclass(frozen=True)
+class DirectRead:
+    """The outcome of :func:`read_flat_range` or :func:`check_flat_range`."""
+
+    outcome: Outcome
+    #: For ``CORRUPT``: what does not check out, naming the shard object and the chunk.
+    problem: str = ""
+
+    @property
+    def ok(self) -> bool:
+        """Every byte read (or checked) and every checksum good."""
+        return self.outcome is Outcome.OK
+
+    @property
+    def corrupt(self) -> bool:
+        """The store's bytes do not check out."""
+        return self.outcome is Outcome.CORRUPT
+
+    def error(self, path: str) -> CorruptDataError:
+        """The error to raise for a ``CORRUPT`` outcome on the array at ``path``."""
+        return CorruptDataError(
+            f"{path}: {self.problem}; the store is corrupt, no values were returned "
+            "(run 'ucformat verify' for a full report)."
+        )
+
+
+OK = DirectRead(Outcome.OK)
+NOT_APPLICABLE = DirectRead(Outcome.NOT_APPLICABLE)
+
+
+def _corrupt(problem: str) -> DirectRead:
+    return DirectRead(Outcome.CORRUPT, problem)
+
+
 def read_flat_range(
     store: Store, ref: ArrayRef, shard_key: ShardKey, start: int, stop: int, out: np.ndarray
-) -> bool:
+) -> DirectRead:
     """Fill ``out`` (1-D, contiguous, storage dtype) with flat elements ``[start, stop)``.
 
-    Returns False if the store's bytes do not check out.
+    ``out`` holds the values only if the result is ``OK`` (see the module docstring).
     """
     item = itemsize(ref.dtype)
     if out.itemsize != item or out.size != stop - start:
-        return False
+        return NOT_APPLICABLE
     target = out.data.cast("B")
     copied = 0
     for shard in _shard_runs(store, ref, shard_key, start, stop):
-        if shard is None:
-            return False
-        key, layout, runs = shard
-        path = local_file(store, key)
-        for chunks in runs:
-            run = _Run(chunks, layout.chunk_nbytes, item, start, stop, target)
-            ok = run.read_local(path, store) if path is not None else run.read_store(store, key)
-            if not ok:
-                return False
+        if isinstance(shard, DirectRead):
+            return shard
+        for chunks in shard.runs:
+            run = _Run(shard, chunks, item, start, stop, target)
+            path = local_file(store, shard.key)
+            result = run.read_local(path, store) if path is not None else run.read_store(store)
+            if not result.ok:
+                return result
             copied += run.elements
-    return copied == stop - start
+    return OK if copied == stop - start else NOT_APPLICABLE
 
 
 def check_flat_range(
     store: Store, ref: ArrayRef, shard_key: ShardKey, start: int, stop: int
-) -> bool:
+) -> DirectRead:
     """Whether every chunk holding flat elements ``[start, stop)`` is present and passes its
     crc32c, checked in place through a read-only memory map of each (local) shard file.
 
     Nothing is copied and nothing is counted as read: the loader calls this on every range
     before it writes anything, then reads the ranges (:func:`read_flat_range`) straight into
-    their destinations. False for anything that does not check out, and for stores that are not
-    local directories (those are read into staging buffers instead).
+    their destinations. ``NOT_APPLICABLE`` for the layouts of the module docstring and for
+    stores that are not local directories (those are read into staging buffers instead).
     """
     for shard in _shard_runs(store, ref, shard_key, start, stop):
-        path = local_file(store, shard[0]) if shard is not None else None
-        if shard is None or path is None:
-            return False
-        _, layout, runs = shard
+        if isinstance(shard, DirectRead):
+            return shard
+        path = local_file(store, shard.key)
+        if path is None:
+            return NOT_APPLICABLE
         try:
             with open(path, "rb") as file:
-                for chunks in runs:
-                    if not _check_run(file.fileno(), chunks, layout.chunk_nbytes):
-                        return False
-        except (OSError, ValueError):  # missing or unreadable file, or shorter than its index says
-            return False
-    return True
+                for chunks in shard.runs:
+                    result = _check_run(file.fileno(), shard, chunks)
+                    if not result.ok:
+                        return result
+        except ValueError:  # the file is shorter than its index says
+            return _corrupt(f"shard object '{shard.key}' is shorter than its index says")
+        except OSError:  # unreadable: not a finding about the data; zarr reports it
+            return NOT_APPLICABLE
+    return OK
 
 
 _Chunks = list[tuple[int, ChunkSlot]]
@@ -108,63 +163,90 @@ _Chunks = list[tuple[int, ChunkSlot]]
 _MAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
 
 
-def _check_run(fd: int, chunks: _Chunks, chunk_nbytes: int) -> bool:
+@dataclass(frozen=True)
+class _Shard:
+    """One shard holding part of a range: its key, grid coordinates, layout and the wanted
+    chunks as runs stored back to back (``(offset, slot)`` pairs)."""
+
+    key: str
+    coords: tuple[int, ...]
+    layout: ShardLayout
+    runs: list[_Chunks]
+
+    def chunk(self, slot: ChunkSlot) -> str:
+        """``chunk (3, 0) (elements [48, 64))``, as :class:`~ucformat.store.arrays.BadChunk`
+        describes a chunk."""
+        per_shard = self.layout.chunks_per_shard
+        coords = tuple(
+            s * n + c for s, n, c in zip(self.coords, per_shard, slot.local, strict=True)
+        )
+        where = "(" + ", ".join(map(str, coords)) + ")"
+        return f"chunk {where} (elements [{slot.flat_start}, {slot.flat_start + slot.length}))"
+
+
+def _check_run(fd: int, shard: _Shard, chunks: _Chunks) -> DirectRead:
     """Check the crc32c of chunks stored back to back, through a read-only map of their bytes."""
+    chunk_nbytes = shard.layout.chunk_nbytes
     begin = chunks[0][0] - chunks[0][0] % mmap.ALLOCATIONGRANULARITY
     end = chunks[-1][0] + chunk_nbytes + CRC_BYTES
     with (
         mmap.mmap(fd, end - begin, flags=_MAP_FLAGS, prot=mmap.PROT_READ, offset=begin) as data,
         memoryview(data) as view,
     ):
-        for offset, _ in chunks:
+        for offset, slot in chunks:
             at = offset - begin
             with (
                 view[at : at + chunk_nbytes] as chunk,
                 view[at + chunk_nbytes : at + chunk_nbytes + CRC_BYTES] as checksum,
             ):
                 if not _crc_ok(chunk, checksum):
-                    return False
-    return True
+                    return _corrupt(f"{shard.chunk(slot)} fails its crc32c checksum")
+    return OK
 
 
 def _shard_runs(
     store: Store, ref: ArrayRef, shard_key: ShardKey, start: int, stop: int
-) -> Iterator[tuple[str, ShardLayout, list[_Chunks]] | None]:
-    """Per shard holding part of ``[start, stop)``: its key, layout, and the wanted chunks as
-    runs stored back to back (``(offset, slot)`` pairs); a last None where the shard's index
-    (or the array's layout) does not check out."""
+) -> Iterator[_Shard | DirectRead]:
+    """Each shard holding part of ``[start, stop)``, in order; a last ``NOT_APPLICABLE`` or
+    ``CORRUPT`` where the array's layout or a shard's index does not allow a direct read."""
     item = itemsize(ref.dtype)
     if ref.compressor != "none" or not ref.shape or start >= stop:
-        yield None
+        yield NOT_APPLICABLE
         return
-    for shard in shards_in_range(ref.shape, ref.shard_shape, start, stop):
+    for coords in shards_in_range(ref.shape, ref.shard_shape, start, stop):
         try:
-            layout = shard_layout(ref.shape, ref.chunk_shape, ref.shard_shape, item, shard)
+            layout = shard_layout(ref.shape, ref.chunk_shape, ref.shard_shape, item, coords)
         except ValueError:
-            yield None
+            yield NOT_APPLICABLE
             return
-        key = shard_key(shard)
+        key = shard_key(coords)
         entries = _index(store, key, layout.chunks_per_shard, layout.index_nbytes)
+        if isinstance(entries, DirectRead):
+            yield entries
+            return
+        shard = _Shard(key, coords, layout, [])
         stored = layout.chunk_nbytes + CRC_BYTES
         wanted: _Chunks = []
-        for slot in layout.slots if entries is not None else ():
+        for slot in layout.slots:
             if slot.flat_start < stop and slot.flat_start + slot.length > start:
-                offset, nbytes = (int(v) for v in entries[slot.local])  # type: ignore[index]
-                if offset == ABSENT or nbytes != stored:
-                    entries = None
-                    break
+                offset, nbytes = (int(v) for v in entries[slot.local])
+                if offset == ABSENT:
+                    yield _corrupt(f"{shard.chunk(slot)} is absent from the index of '{key}'")
+                    return
+                if nbytes != stored:
+                    yield _corrupt(
+                        f"{shard.chunk(slot)} is {nbytes} bytes in the index of '{key}', "
+                        f"expected {stored}"
+                    )
+                    return
                 wanted.append((offset, slot))
-        if entries is None:
-            yield None
-            return
         wanted.sort(key=lambda pair: pair[0])
-        runs: list[_Chunks] = []
         for pair in wanted:
-            if runs and pair[0] == runs[-1][-1][0] + stored:
-                runs[-1].append(pair)
+            if shard.runs and pair[0] == shard.runs[-1][-1][0] + stored:
+                shard.runs[-1].append(pair)
             else:
-                runs.append([pair])
-        yield key, layout, runs
+                shard.runs.append([pair])
+        yield shard
 
 
 class _Run:
@@ -172,15 +254,16 @@ class _Run:
 
     def __init__(
         self,
+        shard: _Shard,
         chunks: Sequence[tuple[int, ChunkSlot]],
-        chunk_nbytes: int,
         item: int,
         start: int,
         stop: int,
         target: memoryview,
     ) -> None:
+        self.shard = shard
         self.chunks = chunks
-        self.chunk_nbytes = chunk_nbytes
+        self.chunk_nbytes = chunk_nbytes = shard.layout.chunk_nbytes
         self.begin = chunks[0][0]
         self.nbytes = len(chunks) * (chunk_nbytes + CRC_BYTES)
         #: Per chunk: (first wanted element, one past the last, whether it is taken whole).
@@ -202,26 +285,37 @@ class _Run:
         size = (high - low) * self.item
         self.target[into : into + size] = chunk[fro : fro + size]
 
-    def read_store(self, store: Store, key: str) -> bool:
+    def _short(self, got: int) -> DirectRead:
+        return _corrupt(
+            f"shard object '{self.shard.key}' holds {got} of the {self.nbytes} bytes from "
+            f"offset {self.begin} that its index points to"
+        )
+
+    def _bad(self, index: int) -> DirectRead:
+        return _corrupt(f"{self.shard.chunk(self.chunks[index][1])} fails its crc32c checksum")
+
+    def read_store(self, store: Store) -> DirectRead:
         """One range request through the store, then checks and copies."""
-        data = fetch_bytes(store, key, self.begin, self.begin + self.nbytes)
-        if data is None or len(data) != self.nbytes:
-            return False
+        data = fetch_bytes(store, self.shard.key, self.begin, self.begin + self.nbytes)
+        if data is None:  # a store that does not raise for missing objects
+            return _corrupt(f"shard object '{self.shard.key}' is missing")
+        if len(data) != self.nbytes:
+            return self._short(len(data))
         source = data.data
         for index in range(len(self.chunks)):
             at = index * (self.chunk_nbytes + CRC_BYTES)
             chunk = source[at : at + self.chunk_nbytes]
             if not _crc_ok(chunk, source[at + self.chunk_nbytes : at + self.chunk_nbytes + 4]):
-                return False
+                return self._bad(index)
             low, _, whole = self.parts[index]
             if whole:
                 into = (low - self.start) * self.item
                 self.target[into : into + self.chunk_nbytes] = chunk
             else:
                 self._place(index, chunk)
-        return True
+        return OK
 
-    def read_local(self, path: object, store: Store) -> bool:
+    def read_local(self, path: object, store: Store) -> DirectRead:
         """One ``preadv`` from the shard file straight into place."""
         scratch = np.empty(
             sum(1 for *_, whole in self.parts if not whole) * self.chunk_nbytes
@@ -244,22 +338,22 @@ class _Run:
             used += CRC_BYTES
         try:
             fd = os.open(str(path), os.O_RDONLY)
-        except OSError:
-            return False
+        except OSError:  # removed since its index was read, or unreadable: zarr reports it
+            return NOT_APPLICABLE
         try:
             got = preadv_all(fd, views, self.begin)
         finally:
             os.close(fd)
         if got != self.nbytes:
-            return False
+            return self._short(got)
         if isinstance(store, CheckedStore):
             store.stats.add(got)
         for index, chunk in enumerate(chunks):
             checksum = views[2 * index + 1]
             if not _crc_ok(chunk, checksum):
-                return False
+                return self._bad(index)
             self._place(index, chunk)
-        return True
+        return OK
 
 
 def _crc_ok(chunk: memoryview, checksum: memoryview) -> bool:
@@ -268,12 +362,14 @@ def _crc_ok(chunk: memoryview, checksum: memoryview) -> bool:
 
 def _index(
     store: Store, key: str, chunks_per_shard: tuple[int, ...], nbytes: int
-) -> np.ndarray | None:
-    """The shard's index as ``(*chunks_per_shard, 2)`` uint64, or None if it fails its crc."""
+) -> np.ndarray | DirectRead:
+    """The shard's index as ``(*chunks_per_shard, 2)`` uint64, or why it does not check out."""
     raw = fetch_bytes(store, key, suffix=nbytes)
-    if raw is None or len(raw) != nbytes:
-        return None
+    if raw is None:  # a store that does not raise for missing objects
+        return _corrupt(f"shard object '{key}' is missing")
+    if len(raw) != nbytes:
+        return _corrupt(f"shard object '{key}' is {len(raw)} bytes, shorter than its index")
     body = raw.data[: nbytes - CRC_BYTES]
     if not _crc_ok(body, raw.data[nbytes - CRC_BYTES :]):
-        return None
+        return _corrupt(f"the index of shard object '{key}' fails its crc32c checksum")
     return np.frombuffer(body, dtype="<u8").reshape(*chunks_per_shard, 2)
