@@ -25,6 +25,7 @@ __all__ = [
     "NotAStoreError",
     "ParamNotFoundError",
     "SourceChecksumError",
+    "SaveAbortedError",
     "SourceNotFoundError",
     "StoreAccessError",
     "StoreExistsError",
@@ -139,6 +140,10 @@ class StoreWriteError(UCFormatError, OSError):
 
 class LoadAbortedError(UCFormatError):
     """Another rank of a distributed load failed; this rank loaded nothing either."""
+
+
+class SaveAbortedError(UCFormatError):
+    """Another rank of a distributed save failed; nothing was committed."""
 
 
 class ModelMismatchError(UCFormatError):

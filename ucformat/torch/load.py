@@ -27,6 +27,7 @@ The dicts are in torch's own ``state_dict()`` format, as an unsharded run would 
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,11 +35,12 @@ from typing import Any
 import torch
 
 from ucformat.errors import ModelMismatchError, UnsupportedExportError
-from ucformat.models import CheckpointManifest
+from ucformat.models import ArrayRef, CheckpointManifest
 from ucformat.pyvalue import decode
 from ucformat.reader import UniversalCheckpoint, open_checkpoint, scalar_value
-from ucformat.spec import BUFFER_STATE, FP32_STATE, STEP_STATE
+from ucformat.spec import BUFFER_STATE, FP32_STATE, STEP_STATE, VALUE_STATE
 from ucformat.store.keys import StoreLike
+from ucformat.torch.dtensor import is_dtensor, reshard
 
 __all__ = ["TorchLoadReport", "load", "model_state_dict", "optimizer_state_dict", "state_dicts"]
 
@@ -58,9 +60,18 @@ class TorchLoadReport:
     unexpected: list[str] = field(default_factory=list)
     #: The client state saved with the checkpoint (keys with an exact JSON form).
     client_state: dict[str, Any] = field(default_factory=dict)
-    #: Bytes and read requests fetched from the store (each request one GET on an object store).
+    #: Bytes this rank fetched from the store (data, checksums, shard indexes).
     bytes_read: int = 0
+    #: Read requests (each one GET on an object store).
     requests: int = 0
+    #: Bytes of values this rank needed (its local shards of every array it read).
+    bytes_needed: int = 0
+    seconds: float = 0.0
+
+    @property
+    def read_amplification(self) -> float:
+        """Bytes fetched from the store per byte this rank needed."""
+        return self.bytes_read / self.bytes_needed if self.bytes_needed else 0.0
 
 
 def _open(store: StoreLike | UniversalCheckpoint) -> UniversalCheckpoint:
@@ -270,7 +281,15 @@ def load(
     *,
     strict: bool = True,
 ) -> TorchLoadReport:
-    """Load a store into a plain PyTorch model and (optionally) optimizer, single process.
+    """Load a store into a PyTorch model and (optionally) optimizer.
+
+    A plain model (no DTensor parameters) is loaded in this process. A model whose parameters
+    are DTensors (FSDP2 ``fully_shard`` on a 1-D mesh, HSDP on a ``(replicate, shard)`` mesh)
+    is loaded collectively: call it on every rank; each rank reads only the flat ranges its
+    local shards cover, of the weights and of every optimizer state, and optimizer states the
+    optimizer does not hold yet are created as DTensors with the parameter's mesh and
+    placements; param groups are matched to the stored ones by the names of the parameters
+    they hold (docs/fsdp2.md).
 
     The model gets every parameter (from fp32, cast by ``load_state_dict`` to the model's
     dtype), tied aliases and buffers. The optimizer (built over the same param groups as the
@@ -286,7 +305,10 @@ def load(
 
     Raises:
         ModelMismatchError: the model or the optimizer's groups do not match the store.
-        UnsupportedExportError: an optimizer was given but the store holds no optimizer state.
+        UnsupportedExportError: an optimizer was given but the store holds no optimizer state,
+            or a DTensor has placements other than ``Shard(0)``/``Replicate()``.
+        LoadAbortedError: (DTensor models) another rank could not read its part; nothing was
+            loaded on this rank.
 
     Example:
         >>> optimizer = torch.optim.AdamW(model.parameters())  # doctest: +SKIP
@@ -296,6 +318,13 @@ def load(
     before, requests_before = ckpt.stats.bytes_read, ckpt.stats.requests
     manifest = ckpt.manifest
     report = TorchLoadReport()
+    reshard(model)  # FSDP2 modules left unsharded by an evaluation forward
+    if any(is_dtensor(p) for p in model.parameters()):
+        from ucformat.torch.sharded_load import load_sharded
+
+        load_sharded(model, optimizer, ckpt, strict, report)
+        return report
+    started, before = time.perf_counter(), ckpt.stats.bytes_read
     saved = model_state_dict(ckpt)
     _check_model(model, saved, strict, report)
     optimizer_sd = None
@@ -321,5 +350,22 @@ def load(
         optimizer.load_state_dict(optimizer_sd)
     report.client_state = {k: decode(v) for k, v in manifest.client_state.values.items()}
     report.bytes_read = ckpt.stats.bytes_read - before
+    report.bytes_needed = sum(
+        ref.nbytes for ref in _arrays_read(manifest, optimizer_sd is not None)
+    )
+    report.seconds = time.perf_counter() - started
     report.requests = ckpt.stats.requests - requests_before
     return report
+
+
+def _arrays_read(manifest: CheckpointManifest, with_optimizer: bool) -> list[ArrayRef]:
+    """Every array a plain load reads whole."""
+    keys = set(manifest.optimizer.state_keys) if with_optimizer and manifest.optimizer else set()
+    refs = [buffer.array for buffer in manifest.buffers.values()]
+    for entry in manifest.params.values():
+        refs += [
+            ref
+            for key, ref in entry.states.items()
+            if key in (FP32_STATE, VALUE_STATE) or key in keys
+        ]
+    return refs

@@ -1,0 +1,257 @@
+"""DTensor shard arithmetic: which rows of a parameter each rank of a device mesh holds.
+
+FSDP2 (``fully_shard``) makes every parameter a DTensor sharded on dim 0 of a 1-D mesh; HSDP
+uses a 2-D mesh ``(replicate, shard)``. A placement per mesh dimension is described here by a
+*shard dim*: ``0`` (``Shard(0)``) or ``None`` (``Replicate()``). Along each mesh dimension that
+shards dim 0, the rows a rank holds so far are split again into pieces of ``ceil(rows / size)``
+rows, as torch splits them; trailing pieces may be short or empty.
+
+A block of whole rows of a row-major tensor is one contiguous flat range, so a rank's local
+shard is the flat range :func:`local_flat_range` and reading it is one range read of the store.
+
+For writing a store from live shards (``ucformat.torch.save``), :func:`owners` lists which rank
+holds each flat range (one replica each), :func:`aligned_chunking` picks chunk and shard shapes
+whose boundaries fall on the owners' boundaries when that keeps chunks reasonably large, and
+:func:`plan_unit_writes` gives every store shard exactly one writer and lists the pieces the
+writer must fetch from the other owners. Everything here is integer arithmetic on plain data.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ucformat.layout.chunking import Chunking, ChunkPolicy, choose_chunking, flat_block_shape
+from ucformat.layout.partition import ceil_div
+
+__all__ = [
+    "Owner",
+    "Piece",
+    "UnitWrite",
+    "aligned_chunking",
+    "local_flat_range",
+    "local_rows",
+    "owners",
+    "plan_unit_writes",
+    "primary_replica",
+    "split_rows",
+]
+
+#: One placement per mesh dimension: ``0`` shards tensor dim 0, ``None`` replicates.
+ShardDims = Sequence[int | None]
+
+
+def split_rows(rows: int, parts: int, index: int) -> tuple[int, int]:
+    """Rows ``[start, stop)`` of piece ``index`` when ``rows`` are split into ``parts`` pieces
+    of ``ceil(rows / parts)`` (torch's ``Shard`` split; the last pieces may be short or empty).
+
+    >>> [split_rows(10, 4, i) for i in range(4)]
+    [(0, 3), (3, 6), (6, 9), (9, 10)]
+    >>> split_rows(2, 3, 2)
+    (2, 2)
+    """
+    if parts < 1 or not 0 <= index < parts:
+        raise ValueError(f"piece {index} of {parts} does not exist")
+    size = ceil_div(rows, parts)
+    start = min(index * size, rows)
+    return start, min(start + size, rows)
+
+
+def _check_dims(shard_dims: ShardDims, mesh_shape: Sequence[int]) -> None:
+    if len(shard_dims) != len(mesh_shape):
+        raise ValueError(f"{len(shard_dims)} placements for a {len(mesh_shape)}-d mesh")
+    bad = [dim for dim in shard_dims if dim not in (0, None)]
+    if bad:
+        raise ValueError(
+            f"only Shard(0) and Replicate() placements are supported, got Shard({bad[0]})"
+        )
+
+
+def local_rows(
+    dim0: int, mesh_shape: Sequence[int], shard_dims: ShardDims, coordinate: Sequence[int]
+) -> tuple[int, int]:
+    """Rows ``[start, stop)`` of dim 0 held at mesh ``coordinate``.
+
+    >>> local_rows(64, (3,), (0,), (2,))
+    (44, 64)
+    >>> local_rows(10, (2, 2), (None, 0), (1, 1))
+    (5, 10)
+    """
+    _check_dims(shard_dims, mesh_shape)
+    start, stop = 0, dim0
+    for size, dim, coord in zip(mesh_shape, shard_dims, coordinate, strict=True):
+        if dim == 0:
+            low, high = split_rows(stop - start, size, coord)
+            start, stop = start + low, start + high
+    return start, stop
+
+
+def local_flat_range(
+    shape: Sequence[int],
+    mesh_shape: Sequence[int],
+    shard_dims: ShardDims,
+    coordinate: Sequence[int],
+) -> tuple[int, int]:
+    """The flat element range ``[start, stop)`` of a tensor of ``shape`` held at ``coordinate``.
+
+    >>> local_flat_range((64, 20), (3,), (0,), (1,))
+    (440, 880)
+    """
+    if not shape:
+        _check_dims(shard_dims, mesh_shape)
+        if any(dim == 0 for dim in shard_dims):
+            raise ValueError("a 0-d tensor cannot be sharded")
+        return 0, 1
+    inner = math.prod(shape[1:])
+    start, stop = local_rows(shape[0], mesh_shape, shard_dims, coordinate)
+    return start * inner, stop * inner
+
+
+def primary_replica(shard_dims: ShardDims, coordinate: Sequence[int]) -> bool:
+    """Whether ``coordinate`` is the first replica (index 0 on every replicating mesh dim)."""
+    return all(c == 0 for c, dim in zip(coordinate, shard_dims, strict=True) if dim is None)
+
+
+@dataclass(frozen=True)
+class Owner:
+    """Global ``rank`` holds flat elements ``[start, stop)`` (its first-replica local shard)."""
+
+    rank: int
+    start: int
+    stop: int
+
+
+def _coordinates(mesh_shape: Sequence[int]) -> list[tuple[int, ...]]:
+    coords: list[tuple[int, ...]] = [()]
+    for size in mesh_shape:
+        coords = [(*c, i) for c in coords for i in range(size)]
+    return coords
+
+
+def owners(
+    shape: Sequence[int],
+    mesh_shape: Sequence[int],
+    shard_dims: ShardDims,
+    mesh_ranks: Sequence[int],
+) -> list[Owner]:
+    """One owner per non-empty local shard of the first replica, in flat order.
+
+    ``mesh_ranks`` are the global ranks of the mesh, row-major over ``mesh_shape``. The owners'
+    ranges tile ``[0, numel)`` exactly.
+
+    >>> owners((5, 2), (2, 2), (None, 0), [0, 1, 2, 3])
+    [Owner(rank=0, start=0, stop=6), Owner(rank=1, start=6, stop=10)]
+    """
+    if len(mesh_ranks) != math.prod(mesh_shape):
+        raise ValueError(f"{len(mesh_ranks)} ranks for a mesh of shape {tuple(mesh_shape)}")
+    found = []
+    for rank, coord in zip(mesh_ranks, _coordinates(mesh_shape), strict=True):
+        if primary_replica(shard_dims, coord):
+            start, stop = local_flat_range(shape, mesh_shape, shard_dims, coord)
+            if start < stop:
+                found.append(Owner(rank, start, stop))
+    return sorted(found, key=lambda owner: owner.start)
+
+
+def _largest_divisor(value: int, limit: int) -> int:
+    """The largest divisor of ``value`` (> 0) that is at most ``limit`` (at least 1)."""
+    best = 1
+    for candidate in range(1, math.isqrt(value) + 1):
+        if value % candidate == 0:
+            for d in (candidate, value // candidate):
+                if best < d <= limit:
+                    best = d
+    return best
+
+
+#: An aligned chunk is used only if it holds at least this fraction of the policy's chunk.
+MIN_ALIGNED_FRACTION = 4
+
+
+def aligned_chunking(
+    shape: Sequence[int], itemsize: int, policy: ChunkPolicy, row_boundaries: Sequence[int]
+) -> Chunking:
+    """Chunk and shard shapes whose dim-0 boundaries include every row in ``row_boundaries``.
+
+    With aligned shards no store shard straddles two owners, so each is written by the rank
+    holding it, from its own memory. The chunk keeps the policy's flat-contiguous shape
+    (:func:`~ucformat.layout.chunking.choose_chunking`) with its dim-0 rows cut down to a
+    divisor of the boundaries; if that leaves chunks smaller than a quarter of the policy's
+    target, the policy's own chunking is returned (some shards then straddle owners).
+
+    >>> aligned_chunking((1024, 1024), 4, ChunkPolicy(65536, 1 << 24), [512]).shard_shape
+    (512, 1024)
+    """
+    default = choose_chunking(shape, itemsize, policy)
+    inner = [b for b in row_boundaries if 0 < b < (shape[0] if shape else 0)]
+    if not shape or not inner or math.prod(shape) == 0:
+        return default
+    step = math.gcd(*inner)
+    chunk = list(default.chunk_shape)
+    if chunk[0] > 1:  # a chunk spans several rows: make its rows divide the boundaries
+        rows = _largest_divisor(step, chunk[0])
+        if rows * MIN_ALIGNED_FRACTION < chunk[0]:
+            return default
+        chunk[0] = rows
+    grid = [ceil_div(d, c) for d, c in zip(shape, chunk, strict=True)]
+    chunk_elements = math.prod(chunk)
+    per_shard = max(1, policy.shard_bytes // (itemsize * chunk_elements))
+    block = list(flat_block_shape(grid, per_shard))
+    if block[0] > 1:  # a shard spans several chunk rows: the same for shards
+        block[0] = _largest_divisor(step // chunk[0], block[0])
+    return Chunking(tuple(chunk), tuple(b * c for b, c in zip(block, chunk, strict=True)))
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Flat elements ``[start, stop)`` of a store shard, held by global ``rank``."""
+
+    rank: int
+    start: int
+    stop: int
+
+
+@dataclass(frozen=True)
+class UnitWrite:
+    """Who writes one store shard (flat ``[start, stop)``), and the pieces it is made of.
+
+    Pieces held by ranks other than ``writer`` are sent to the writer before it writes.
+    """
+
+    start: int
+    stop: int
+    writer: int
+    pieces: tuple[Piece, ...]
+
+    @property
+    def transfers(self) -> tuple[Piece, ...]:
+        """The pieces the writer receives from other ranks."""
+        return tuple(p for p in self.pieces if p.rank != self.writer)
+
+
+def plan_unit_writes(units: Sequence[tuple[int, int]], holders: Sequence[Owner]) -> list[UnitWrite]:
+    """Give each unit (a store shard's flat range) one writer: the owner of most of it.
+
+    Ties go to the owner earliest in flat order. ``holders`` must tile every unit (as
+    :func:`owners` does); a unit with no holder (an empty array) is written by ``holders``'
+    first rank, or rank 0.
+
+    >>> plan_unit_writes([(0, 8)], [Owner(0, 0, 3), Owner(1, 3, 8)])[0].writer
+    1
+    """
+    ordered = sorted(holders, key=lambda owner: owner.start)
+    plan = []
+    for start, stop in units:
+        pieces = tuple(
+            Piece(o.rank, max(start, o.start), min(stop, o.stop))
+            for o in ordered
+            if max(start, o.start) < min(stop, o.stop)
+        )
+        if pieces:
+            most = max(p.stop - p.start for p in pieces)
+            writer = next(p.rank for p in pieces if p.stop - p.start == most)
+        else:
+            writer = ordered[0].rank if ordered else 0
+        plan.append(UnitWrite(start, stop, writer, pieces))
+    return plan

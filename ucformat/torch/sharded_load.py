@@ -1,0 +1,241 @@
+"""Load a store into a model whose parameters are DTensors (FSDP2, HSDP), on every rank.
+
+What :func:`ucformat.torch.load` runs when the model holds DTensors. Per rank:
+
+1. compare the model with the manifest (names, global shapes, buffers) and the optimizer's
+   param groups with the stored ones, matched by the parameter names they hold; with
+   ``strict=True`` any difference fails here, before anything changes;
+2. read, into new tensors, exactly the flat range of every array this rank's local shards cover
+   (:mod:`ucformat.torch.dtensor`): the fp32 weights and every optimizer state of each
+   parameter, frozen parameters, buffers (whole: they are not sharded). A rank whose shard of a
+   parameter is empty reads nothing for it;
+3. agree with every other rank that all reads succeeded (one all-reduce), then write: local
+   shards in place, optimizer states into the optimizer's tensors (or as new DTensors with the
+   parameter's mesh and placements where the optimizer has none yet), ``step`` in the type the
+   optimizer uses, hyper-parameters into the matched groups.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ucformat.dtypes import itemsize
+from ucformat.errors import (
+    LoadAbortedError,
+    ModelMismatchError,
+    UCFormatError,
+    UnsupportedExportError,
+)
+from ucformat.models import CheckpointManifest
+from ucformat.pyvalue import decode
+from ucformat.reader import BUFFER_STATE, UniversalCheckpoint, scalar_value
+from ucformat.spec import FP32_STATE, STEP_STATE
+from ucformat.torch.dtensor import LocalShard, local_shard, persistent_buffers
+from ucformat.torch.load import _merged_group, _torch_step
+
+__all__ = ["load_sharded"]
+
+
+@dataclass
+class _ParamRead:
+    """What this rank read for one parameter (nothing is written until every rank is ready)."""
+
+    name: str
+    param: torch.Tensor
+    shard: LocalShard
+    fp32: torch.Tensor | None = None
+    states: dict[str, torch.Tensor] = field(default_factory=dict)
+    scalars: dict[str, Any] = field(default_factory=dict)
+
+
+def _check_model(
+    manifest: CheckpointManifest,
+    params: Mapping[str, torch.Tensor],
+    buffers: Mapping[str, torch.Tensor],
+    strict: bool,
+    report: Any,
+) -> None:
+    """Raise :class:`ModelMismatchError` (before anything changes) naming what differs."""
+    resolved = {manifest.resolve(name) for name in params}
+    report.missing = sorted(n for n in params if manifest.resolve(n) not in manifest.params)
+    report.missing += sorted(n for n in buffers if n not in manifest.buffers)
+    report.unexpected = sorted(set(manifest.params) - resolved)
+    report.unexpected += sorted(set(manifest.buffers) - set(buffers))
+    shapes = [
+        f"{n} (model {list(t.shape)}, store {manifest.params[manifest.resolve(n)].shape})"
+        for n, t in sorted(params.items())
+        if manifest.resolve(n) in manifest.params
+        and list(t.shape) != manifest.params[manifest.resolve(n)].shape
+    ]
+    shapes += [
+        f"buffer {n} (model {list(b.shape)}, store {manifest.buffers[n].shape})"
+        for n, b in sorted(buffers.items())
+        if n in manifest.buffers and list(b.shape) != manifest.buffers[n].shape
+    ]
+    problems = [f"different shapes: {', '.join(shapes)}"] if shapes else []
+    if strict and report.missing:
+        problems.append(f"missing from the store: {', '.join(report.missing)}")
+    if strict and report.unexpected:
+        problems.append(f"not in the model: {', '.join(report.unexpected)}")
+    if problems:
+        raise ModelMismatchError(
+            "the model does not match the checkpoint: " + "; ".join(problems) + ". Nothing was "
+            "loaded; fix the model" + (" or pass strict=False." if strict and not shapes else ".")
+        )
+
+
+def _match_groups(
+    manifest: CheckpointManifest,
+    optimizer: torch.optim.Optimizer,
+    names: dict[int, str],
+    strict: bool,
+) -> list[tuple[int, dict[str, Any]]]:
+    """For each live param group: the stored group holding the same parameters, and the
+    hyper-parameters it gets. Raises before anything changes if a group has no match."""
+    if manifest.optimizer is None:
+        raise UnsupportedExportError(
+            "this store holds no optimizer state; pass optimizer=None to load the model only."
+        )
+    stored = {
+        frozenset(group.params): index for index, group in enumerate(manifest.optimizer.groups)
+    }
+    matched = []
+    for number, group in enumerate(optimizer.param_groups):
+        members = [names.get(id(p), "?") for p in group["params"]]
+        key = frozenset(manifest.resolve(n) for n in members)
+        index = stored.get(key)
+        if index is None:
+            raise ModelMismatchError(
+                f"the optimizer's param group {number} ({', '.join(members)}) matches no param "
+                f"group of the checkpoint ({manifest.optimizer.name}, groups "
+                f"{[g.params for g in manifest.optimizer.groups]}); build the optimizer with the "
+                "training run's param groups. Nothing was loaded."
+            )
+        matched.append((index, _merged_group(manifest, index, group, strict)))
+    return matched
+
+
+def _read_param(
+    ckpt: UniversalCheckpoint, name: str, param: torch.Tensor, state_keys: list[str]
+) -> tuple[_ParamRead, int]:
+    """This rank's range of every array of ``name``, and the bytes it needed."""
+    manifest = ckpt.manifest
+    owner = manifest.resolve(name)
+    entry = manifest.params[owner]
+    shard = local_shard(name, param)
+    read = _ParamRead(name, param, shard)
+    # An empty range (a rank whose shard is empty) reads nothing and gives empty tensors.
+    read.fp32 = ckpt.read_range(owner, FP32_STATE, shard.start, shard.stop)
+    needed = shard.numel * itemsize(ckpt.array_ref(owner, FP32_STATE).dtype)
+    for key in state_keys:
+        if key in entry.states:
+            read.states[key] = ckpt.read_range(owner, key, shard.start, shard.stop)
+            needed += shard.numel * itemsize(entry.states[key].dtype)
+    if state_keys:
+        read.scalars = {k: scalar_value(s) for k, s in entry.scalars.items()}
+    return read, needed
+
+
+def _all_ranks_ready(failure: BaseException | None, where: str) -> None:
+    """Raise on every rank if any rank failed to read (before any rank writes)."""
+    import torch.distributed as dist
+
+    others_failed = False
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        device: Any = "cpu"
+        if dist.get_backend() != "gloo" and torch.cuda.is_available():
+            device = torch.device("cuda", torch.cuda.current_device())
+        ready = torch.tensor([0 if failure else 1], dtype=torch.int32, device=device)
+        dist.all_reduce(ready, op=dist.ReduceOp.MIN)
+        others_failed = int(ready.item()) == 0
+    if failure is not None:
+        raise failure
+    if others_failed:
+        raise LoadAbortedError(
+            f"{where}: another rank could not read its part of the checkpoint (its error says "
+            "why); nothing was loaded on this rank."
+        )
+
+
+def _set_state(state: dict[str, Any], key: str, read: _ParamRead, values: torch.Tensor) -> None:
+    """Put ``values`` (this rank's flat range) into the optimizer state ``key``."""
+    existing = state.get(key)
+    local_shape = read.shard.local.shape
+    if existing is not None and isinstance(existing, torch.Tensor):
+        target = existing.to_local() if hasattr(existing, "to_local") else existing
+        if target.shape == local_shape:
+            target.copy_(values.reshape(local_shape).to(target.dtype))
+            return
+    state[key] = read.shard.like(values.reshape(local_shape).to(read.shard.local.device))
+
+
+def load_sharded(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    ckpt: UniversalCheckpoint,
+    strict: bool,
+    report: Any,
+) -> None:
+    """Fill ``model`` (DTensor parameters) and ``optimizer`` from ``ckpt``; fill ``report``."""
+    started = time.perf_counter()
+    before = ckpt.stats.bytes_read
+    manifest = ckpt.manifest
+    params = dict(model.named_parameters())
+    buffers = persistent_buffers(model)
+    _check_model(manifest, params, buffers, strict, report)
+    names = {id(p): n for n, p in params.items()}
+    groups = _match_groups(manifest, optimizer, names, strict) if optimizer is not None else []
+    state_keys = list(manifest.optimizer.state_keys) if optimizer and manifest.optimizer else []
+    trainable = {
+        names[id(p)] for g in (optimizer.param_groups if optimizer else []) for p in g["params"]
+    }
+
+    reads: list[_ParamRead] = []
+    buffer_values: dict[str, torch.Tensor] = {}
+    needed = 0
+    failure: BaseException | None = None
+    try:
+        for name, param in params.items():
+            if manifest.resolve(name) not in manifest.params:
+                continue
+            keys = state_keys if name in trainable else []
+            read, count = _read_param(ckpt, name, param, keys)
+            reads.append(read)
+            needed += count
+        for name in buffers:
+            if name in manifest.buffers:
+                value = ckpt.read(name, BUFFER_STATE)
+                buffer_values[name] = value
+                needed += value.numel() * value.element_size()
+    except (UCFormatError, OSError) as exc:
+        failure = exc
+    _all_ranks_ready(failure, ckpt.where)
+
+    # --- nothing above modified the model or the optimizer; from here on, write ---------------
+    torch_step = optimizer is not None and type(optimizer).__module__.startswith("torch.optim")
+    with torch.no_grad():
+        for read in reads:
+            local = read.shard.local
+            if read.fp32 is not None and local.numel():
+                local.copy_(read.fp32.reshape(local.shape).to(local.dtype))
+            if optimizer is None or read.name not in trainable:
+                continue
+            state = optimizer.state[read.param]
+            for key, values in read.states.items():
+                _set_state(state, key, read, values)
+            for key, value in read.scalars.items():
+                state[key] = _torch_step(value) if key == STEP_STATE and torch_step else value
+        for name, value in buffer_values.items():
+            buffers[name].copy_(value.to(buffers[name].dtype))
+    if optimizer is not None:
+        for live, (_, merged) in zip(optimizer.param_groups, groups, strict=True):
+            live.update(merged)
+    report.client_state = {k: decode(v) for k, v in manifest.client_state.values.items()}
+    report.bytes_read = ckpt.stats.bytes_read - before
+    report.bytes_needed = needed
+    report.seconds = time.perf_counter() - started
