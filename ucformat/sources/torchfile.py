@@ -9,10 +9,15 @@ disk until someone reads a range of them with :meth:`TensorRef.read_into`.
 
 So a 10 GB optimizer shard costs a few KB of memory to open, and each byte is read from disk
 exactly when it is copied to its destination.
+
+:func:`open_embedded_torch_file` opens an archive that sits at a byte range of a larger file
+(PyTorch Distributed Checkpoint ``.distcp`` files are ``torch.save`` archives back to back),
+through a file descriptor the caller owns.
 """
 
 from __future__ import annotations
 
+import io
 import math
 import os
 import struct
@@ -32,7 +37,7 @@ from ucformat.sources.safe_unpickle import PicklePolicy, StorageRef, load_pickle
 if TYPE_CHECKING:  # reading a checkpoint needs no torch; only materialising a tensor does
     import torch
 
-__all__ = ["TensorRef", "TorchFile", "open_torch_file"]
+__all__ = ["TensorRef", "TorchFile", "open_embedded_torch_file", "open_torch_file"]
 
 _LOCAL_HEADER = struct.Struct("<4sHHHHHIIIHH")
 _LOCAL_HEADER_MAGIC = b"PK\x03\x04"
@@ -49,6 +54,10 @@ class TorchFile:
     _members: dict[str, zipfile.ZipInfo] = field(repr=False)
     _prefix: str = field(repr=False)
     _data_offsets: dict[str, tuple[int, int]] = field(default_factory=dict, repr=False)
+    #: Where the archive starts in the file (0 unless embedded), and whether ``close`` closes
+    #: the descriptor (an embedded archive shares its caller's).
+    _base: int = field(default=0, repr=False)
+    _owns_fd: bool = field(default=True, repr=False)
 
     def storage_span(self, key: str) -> tuple[int, int]:
         """``(file offset, byte length)`` of storage ``key``'s bytes."""
@@ -65,7 +74,7 @@ class TorchFile:
             raise UnsupportedCheckpointError(
                 f"{self.path}: storage '{key}' is compressed; torch.save never does that."
             )
-        header = os.pread(self._fd, _LOCAL_HEADER.size, info.header_offset)
+        header = os.pread(self._fd, _LOCAL_HEADER.size, self._base + info.header_offset)
         fields = _LOCAL_HEADER.unpack(header) if len(header) == _LOCAL_HEADER.size else None
         if fields is None or fields[0] != _LOCAL_HEADER_MAGIC:
             raise TruncatedFileError(f"{self.path}: damaged zip entry for storage '{key}'.")
@@ -97,13 +106,14 @@ class TorchFile:
                 f"{self.path}: read of bytes [{start}, {start + total}) of storage '{key}' "
                 f"overruns its {length} bytes."
             )
-        if preadv_all(self._fd, views, offset + start) != total:
+        if preadv_all(self._fd, views, self._base + offset + start) != total:
             raise TruncatedFileError(f"{self.path}: unexpected end of file.")
 
     def close(self) -> None:
         """Release the file descriptor."""
         if self._fd >= 0:
-            os.close(self._fd)
+            if self._owns_fd:
+                os.close(self._fd)
             self._fd = -1
 
     def __enter__(self) -> TorchFile:
@@ -229,13 +239,82 @@ def open_torch_file(path: Path, policy: PicklePolicy | None = None) -> TorchFile
         UnsafePickleError: the pickle references a global outside the allow-list.
     """
     size = path.stat().st_size
+    fd = os.open(path, os.O_RDONLY)
     try:
-        with zipfile.ZipFile(path) as archive:
+        return _open_archive(fd, path, 0, size, policy, owns_fd=True, what=str(path))
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def open_embedded_torch_file(
+    fd: int, path: Path, offset: int, length: int, policy: PicklePolicy | None = None
+) -> TorchFile:
+    """Open the ``torch.save`` archive at bytes ``[offset, offset + length)`` of ``fd``.
+
+    ``fd`` (open on ``path``) stays the caller's: closing the returned file does not close it.
+
+    Raises:
+        TruncatedFileError: the range lies past the end of the file, or holds no complete
+            ``torch.save`` archive.
+        UnsafePickleError: the pickle references a global outside the allow-list.
+    """
+    size = os.fstat(fd).st_size
+    what = f"{path} (bytes {offset}-{offset + length})"
+    if offset < 0 or length < 0 or offset + length > size:
+        raise TruncatedFileError(
+            f"{what}: the item ends at byte {offset + length} but the file has only {size} "
+            "bytes; the file is truncated."
+        )
+    return _open_archive(fd, path, offset, length, policy, owns_fd=False, what=what)
+
+
+class _Window(io.RawIOBase):
+    """Bytes ``[base, base + size)`` of a file descriptor as a seekable read-only file."""
+
+    def __init__(self, fd: int, base: int, size: int) -> None:
+        self._fd, self._base, self._size, self._pos = fd, base, size, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        origin = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._size}[whence]
+        self._pos = max(0, origin + offset)
+        return self._pos
+
+    def readinto(self, buffer: Any) -> int:
+        view = memoryview(buffer).cast("B")
+        count = max(0, min(len(view), self._size - self._pos))
+        data = os.pread(self._fd, count, self._base + self._pos) if count else b""
+        view[: len(data)] = data
+        self._pos += len(data)
+        return len(data)
+
+
+def _open_archive(
+    fd: int,
+    path: Path,
+    base: int,
+    size: int,
+    policy: PicklePolicy | None,
+    *,
+    owns_fd: bool,
+    what: str,
+) -> TorchFile:
+    try:
+        with zipfile.ZipFile(io.BufferedReader(_Window(fd, base, size))) as archive:
             members = {info.filename: info for info in archive.infolist()}
             pickles = [name for name in members if name.endswith("/data.pkl")]
             if len(pickles) != 1:
                 raise TruncatedFileError(
-                    f"{path}: expected one '<name>/data.pkl' entry in a torch.save archive, "
+                    f"{what}: expected one '<name>/data.pkl' entry in a torch.save archive, "
                     f"found {len(pickles)}; this is not a torch checkpoint file."
                 )
             prefix = pickles[0][: -len("data.pkl")]
@@ -243,23 +322,27 @@ def open_torch_file(path: Path, policy: PicklePolicy | None = None) -> TorchFile
             payload = archive.read(pickles[0])
     except zipfile.BadZipFile as exc:
         raise TruncatedFileError(
-            f"{path}: not a complete zip archive ({exc}); the file is truncated, damaged, or "
+            f"{what}: not a complete zip archive ({exc}); the file is truncated, damaged, or "
             "not written by torch.save."
         ) from None
-    fd = os.open(path, os.O_RDONLY)
-    handle = TorchFile(path=path, size=size, obj=None, _fd=fd, _members=members, _prefix=prefix)
-    try:
-        handle.obj = load_pickle(
-            payload,
-            source=str(path),
-            policy=policy or PicklePolicy(),
-            make_tensor=lambda storage, offset, shape, stride: TensorRef(
-                handle, storage, offset, shape, stride
-            ),
-        )
-    except BaseException:
-        handle.close()
-        raise
+    handle = TorchFile(
+        path=path,
+        size=size,
+        obj=None,
+        _fd=fd,
+        _members=members,
+        _prefix=prefix,
+        _base=base,
+        _owns_fd=owns_fd,
+    )
+    handle.obj = load_pickle(
+        payload,
+        source=what,
+        policy=policy or PicklePolicy(),
+        make_tensor=lambda storage, offset, shape, stride: TensorRef(
+            handle, storage, offset, shape, stride
+        ),
+    )
     return handle
 
 
