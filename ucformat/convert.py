@@ -1,4 +1,5 @@
-"""``ucformat.convert``: a DeepSpeed ZeRO checkpoint in, a committed ucformat store out."""
+"""``ucformat.convert``: a DeepSpeed ZeRO checkpoint or a PyTorch DCP folder in, a committed
+ucformat store out."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from ucformat.layout.chunking import ChunkPolicy
 from ucformat.manifest_io import ROOT_KEY, commit_manifest
 from ucformat.models import CheckpointManifest
 from ucformat.plan import ConvertOptions, ConvertPlan, plan_convert
-from ucformat.sources.deepspeed import read_deepspeed_checkpoint
+from ucformat.sources.detect import read_source
 from ucformat.sources.safe_unpickle import PicklePolicy
 from ucformat.spec import FORMAT_NAME, FORMAT_VERSION, MANIFEST_KEY
 from ucformat.writer import DEFAULT_WORKERS, create_arrays, write_units
@@ -45,9 +46,17 @@ def plan_from_source(
     shard_bytes: int | None = None,
     compressor: str = "none",
     opaque_globals: Iterable[str] = (),
+    model_key: str | None = None,
+    optimizer_key: str | None = None,
 ) -> ConvertPlan:
     """Read ``src``'s metadata and plan its conversion, without writing anything."""
-    with read_deepspeed_checkpoint(Path(src), tag, _pickle_policy(opaque_globals)) as source:
+    with read_source(
+        Path(src),
+        tag=tag,
+        policy=_pickle_policy(opaque_globals),
+        model_key=model_key,
+        optimizer_key=optimizer_key,
+    ) as source:
         return plan_convert(source, _options(chunk_bytes, shard_bytes, compressor))
 
 
@@ -64,11 +73,15 @@ def convert(
     workers: int = DEFAULT_WORKERS,
     opaque_globals: Iterable[str] = (),
     hooks: ConvertHooks | None = None,
+    model_key: str | None = None,
+    optimizer_key: str | None = None,
 ) -> CheckpointManifest:
-    """Convert a DeepSpeed ZeRO checkpoint into a ucformat store.
+    """Convert a DeepSpeed ZeRO checkpoint or a PyTorch Distributed Checkpoint into a store.
 
     Args:
-        src: the checkpoint's tag folder, or the run folder holding ``latest``.
+        src: the DeepSpeed checkpoint's tag folder, or the run folder holding ``latest``; or a
+            folder written by ``torch.distributed.checkpoint.save`` (it has ``.metadata``),
+            detected automatically.
         dst: a local path, an fsspec URL, or a zarr ``Store``.
         tag: the tag to convert when ``src`` is a run folder (default: ``latest``).
         overwrite: replace an existing ucformat store at ``dst``.
@@ -79,6 +92,9 @@ def convert(
         workers: threads writing shards concurrently (default: the CPU count, at most 4).
         opaque_globals: extra pickle globals to keep as inert placeholders (client state).
         hooks: progress callbacks.
+        model_key: DCP only: prefix of the model weights (default ``model``, else torchtitan's
+            top-level keys; ``.`` names the top level).
+        optimizer_key: DCP only: prefix of the optimizer state (default ``optimizer``/``optim``).
 
     Returns:
         The committed manifest (for ``dry_run``, the manifest that would be written).
@@ -90,7 +106,13 @@ def convert(
         >>> manifest = ucformat.convert("runs/gpt/global_step800", "ckpt.ucf")  # doctest: +SKIP
     """
     hooks = hooks or ConvertHooks()
-    with read_deepspeed_checkpoint(Path(src), tag, _pickle_policy(opaque_globals)) as source:
+    with read_source(
+        Path(src),
+        tag=tag,
+        policy=_pickle_policy(opaque_globals),
+        model_key=model_key,
+        optimizer_key=optimizer_key,
+    ) as source:
         plan = plan_convert(source, _options(chunk_bytes, shard_bytes, compressor))
         if hooks.on_plan is not None:
             hooks.on_plan(plan)
