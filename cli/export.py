@@ -202,7 +202,9 @@ def dcp_command(
     out: Out,
     world_size: Annotated[
         int | None,
-        typer.Option(help="Ranks whose FSDP2 shards the files hold [default: the source's].", min=1),
+        typer.Option(
+            help="Ranks whose FSDP2 shards the files hold [default: the source's].", min=1
+        ),
     ] = None,
     layout: Annotated[
         str,

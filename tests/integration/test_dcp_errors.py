@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.filesystem import FileSystemReader
+from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 import ucformat
 from tests.cli.helpers import assert_user_error, invoke
@@ -70,7 +71,7 @@ def test_hostile_metadata_runs_nothing(damaged: Path, tmp_path: Path, attack: st
 
 
 def test_metadata_naming_a_file_outside_the_folder(damaged: Path, tmp_path: Path) -> None:
-    metadata = dcp.FileSystemReader(str(damaged)).read_metadata()  # our own fixture: trusted
+    metadata = FileSystemReader(str(damaged)).read_metadata()  # our own fixture: trusted
     index = next(iter(metadata.storage_data))
     metadata.storage_data[index].relative_path = "../../etc/passwd"
     (damaged / ".metadata").write_bytes(pickle.dumps(metadata))
@@ -81,12 +82,12 @@ def _save_plain(folder: Path, layout: str) -> None:
     model, _ = build_model("simple")
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     if layout == "weights":
-        dcp.save({"weights": state}, checkpoint_id=folder)
+        dcp_save({"weights": state}, checkpoint_id=folder)
     else:  # an optimizer keyed by parameter index (optimizer.state_dict())
         optimizer = torch.optim.Adam(model.parameters())
         model(torch.ones(1, 10)).sum().backward()
         optimizer.step()
-        dcp.save({"model": state, "optimizer": optimizer.state_dict()}, checkpoint_id=folder)
+        dcp_save({"model": state, "optimizer": optimizer.state_dict()}, checkpoint_id=folder)
 
 
 def test_unknown_layout_names_the_keys_and_options(tmp_path: Path) -> None:

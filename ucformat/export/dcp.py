@@ -171,6 +171,7 @@ def plan_dcp(
             scalar: ScalarState | None = None) -> None:  # fmt: skip
         elements = max(1, piece_bytes // itemsize(dtype))
         cut = row_chunks(shape, world_size, elements)
+        pieces: tuple[DcpPiece, ...]
         if not cut and shape:  # an empty tensor: one empty chunk, as DCP writes it
             pieces = (DcpPiece(0, 0, shape[0]),)
         else:

@@ -1,4 +1,4 @@
-"""Read a PyTorch Distributed Checkpoint folder into a :class:`~ucformat.sources.base.SourceCheckpoint`.
+"""Read a PyTorch Distributed Checkpoint folder into a ``SourceCheckpoint``.
 
 What ``dcp.save(state, checkpoint_id=DIR)`` writes: ``DIR/.metadata`` (a pickle of DCP's
 ``Metadata``) and data files ``__<rank>_<n>.distcp``. Each stored item (a tensor chunk or a

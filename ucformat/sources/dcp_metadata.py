@@ -122,7 +122,10 @@ def _dtype(properties: Any, where: str) -> str:
 
 
 def _entry(key: str, value: Any, where: str) -> DcpTensor | DcpBytes:
-    if isinstance(value, StandIn) and type(value).ucformat_qualname == _MODULE + "BytesStorageMetadata":
+    if (
+        isinstance(value, StandIn)
+        and type(value).ucformat_qualname == _MODULE + "BytesStorageMetadata"
+    ):
         return DcpBytes()
     fields = _stand_in(value, "TensorStorageMetadata", f"{where}: entry '{key}'")
     shape = _ints(fields.get("size"), f"{where}: '{key}' size")
