@@ -127,3 +127,5 @@ def test_converted_dcp_store_holds_the_fsdp2_state(
     assert {f.name for f in src.files} == {".metadata", "__0_0.distcp", "__1_0.distcp"}
     if layout == "titan":
         assert manifest.client_state.values == {"train_state.step": 3}
+    report = ucformat.verify(tmp_path / "s.ucf", against=source / layout)
+    assert report.ok, report
