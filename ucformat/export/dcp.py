@@ -264,7 +264,8 @@ def _piece_tensor(ckpt: UniversalCheckpoint, item: DcpTensorItem, piece: DcpPiec
     rows = piece.row_stop - piece.row_start
     start = piece.row_start * item.row_elements
     values = ckpt.read_range(item.name, item.state, start, start + rows * item.row_elements)
-    return values.to(target).reshape((rows, *item.shape[1:]))
+    shape = (rows, *item.shape[1:]) if item.shape else ()  # a 0-d buffer is one "row"
+    return values.to(target).reshape(shape)
 
 
 def _write_data_file(
