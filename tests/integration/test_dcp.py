@@ -129,3 +129,46 @@ def test_converted_dcp_store_holds_the_fsdp2_state(
         assert manifest.client_state.values == {"train_state.step": 3}
     report = ucformat.verify(tmp_path / "s.ucf", against=source / layout)
     assert report.ok, report
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+@pytest.mark.parametrize("layout", ["flat", "nested"])
+def test_exported_dcp_loads_frozen_tied_and_buffers_into_a_plain_model(
+    ds_grid: Path, tmp_path: Path, layout: str
+) -> None:
+    """Single process, stock ``dcp.load``: frozen params, a tied head and BatchNorm buffers."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_state_dict,
+        set_state_dict,
+    )
+    from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+
+    from tests.fixtures.models import build_model
+    from tests.truth import load_truth
+
+    case = ds_grid / "z2-fp32-tadam-ftb-ws2"
+    ucformat.convert(case / "ckpt", tmp_path / "s.ucf")
+    result = export_dcp(
+        tmp_path / "s.ucf", tmp_path / "dcp", layout="nested" if layout == "nested" else "flat"
+    )
+    assert any("frozen params" in note for note in result.notes)
+    model, groups = build_model("ftb", seed=5)
+    optimizer = torch.optim.Adam(groups)
+    options = StateDictOptions(flatten_optimizer_state_dict=layout == "flat")
+    weights, optim = get_state_dict(model, optimizer, options=options)
+    dcp_load({"model": weights, "optimizer": optim}, checkpoint_id=tmp_path / "dcp")
+    set_state_dict(
+        model, optimizer, model_state_dict=weights, optim_state_dict=optim, options=options
+    )
+    truth = load_truth(case)
+    params = dict(model.named_parameters())
+    for name, want in truth["fp32"].items():
+        assert_exact(params[name].detach(), want, name)
+        for key, value in truth["optim"][name].items():
+            assert_exact(optimizer.state[params[name]][key], value, f"{name}/{key}")
+        assert_exact(optimizer.state[params[name]]["step"], truth["step"][name], f"{name}/step")
+    state = model.state_dict()
+    for name, want in {**truth["buffers"], **truth["frozen"]}.items():
+        assert_exact(state[name], want, name)
+    assert model.lm_head.weight is model.emb.weight
