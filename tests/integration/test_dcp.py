@@ -171,4 +171,4 @@ def test_exported_dcp_loads_frozen_tied_and_buffers_into_a_plain_model(
     state = model.state_dict()
     for name, want in {**truth["buffers"], **truth["frozen"]}.items():
         assert_exact(state[name], want, name)
-    assert model.lm_head.weight is model.emb.weight
+    assert model.get_submodule("lm_head").weight is model.get_submodule("emb").weight
