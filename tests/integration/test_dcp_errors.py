@@ -19,7 +19,7 @@ import ucformat
 from tests.cli.helpers import assert_user_error, invoke
 from tests.fixtures.dcp_cases import generate_dcp
 from tests.fixtures.models import build_model
-from tests.hostile import ATTACK_NAMES, attacks
+from tests.hostile import ATTACK_NAMES, attacks, replace_data_pkl
 from ucformat.errors import (
     NotACheckpointError,
     SourceNotFoundError,
@@ -67,6 +67,27 @@ def test_hostile_metadata_runs_nothing(damaged: Path, tmp_path: Path, attack: st
     sentinel = tmp_path / "pwned"
     (damaged / ".metadata").write_bytes(pickle.dumps(attacks(sentinel)[attack]))
     _fails(damaged, tmp_path, UnsafePickleError, ".metadata", "refusing to load")
+    assert not sentinel.exists()
+
+
+@pytest.mark.parametrize("attack", ["os.system", "builtins.eval", "nested in a state dict"])
+def test_hostile_item_in_a_data_file_runs_nothing(
+    damaged: Path, tmp_path: Path, attack: str
+) -> None:
+    """A hyper-parameter's torch.save archive replaced by one whose data.pkl is hostile."""
+    sentinel = tmp_path / "pwned"
+    archive = tmp_path / "item.pt"
+    torch.save(0.001, archive)
+    replace_data_pkl(archive, attacks(sentinel)[attack])
+    data = damaged / "__1_0.distcp"
+    offset = data.stat().st_size
+    data.write_bytes(data.read_bytes() + archive.read_bytes())
+    metadata = FileSystemReader(str(damaged)).read_metadata()  # our own fixture: trusted
+    index = next(i for i in metadata.storage_data if i.fqn.endswith(".lr"))
+    info = metadata.storage_data[index]
+    info.relative_path, info.offset, info.length = data.name, offset, archive.stat().st_size
+    (damaged / ".metadata").write_bytes(pickle.dumps(metadata))
+    _fails(damaged, tmp_path, UnsafePickleError, "__1_0.distcp", "refusing to load")
     assert not sentinel.exists()
 
 
