@@ -172,3 +172,20 @@ def test_exported_dcp_loads_frozen_tied_and_buffers_into_a_plain_model(
     for name, want in {**truth["buffers"], **truth["frozen"]}.items():
         assert_exact(state[name], want, name)
     assert model.get_submodule("lm_head").weight is model.get_submodule("emb").weight
+
+
+@pytest.mark.parametrize("folder", ["2d", "1d"])
+def test_dtensor_chunks_2d_uneven_and_empty_are_assembled(
+    dcp_sources: dict[str, Path], tmp_path: Path, folder: str
+) -> None:
+    """Stock ``dcp.save`` of DTensors on a 2x2 mesh (2-D chunks) and a 4-rank 1-D mesh (uneven
+    and empty chunks), model weights only."""
+    source = dcp_sources["dtensor-multi-ws4"]
+    truth = torch.load(source / "truth.pt", weights_only=True)
+    manifest = ucformat.convert(source / folder, tmp_path / "s.ucf")
+    assert manifest.optimizer is None and manifest.source.world_size == 4
+    ckpt = ucformat.open(tmp_path / "s.ucf")
+    assert set(manifest.params) == set(truth["fp32"])
+    for name, want in truth["fp32"].items():
+        assert_exact(ckpt.read(name, "fp32"), want, name)
+        assert manifest.params[name].requires_grad and manifest.params[name].group is None

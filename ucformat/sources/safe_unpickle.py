@@ -17,7 +17,11 @@ the global. Nothing from the file is imported or called. The table has three kin
   name and arguments and do nothing else. They surface in the manifest as unrepresentable
   client state, listed by key and type.
 
-docs/format.md (security) lists the table and why each entry is there.
+A PyTorch Distributed Checkpoint's ``.metadata`` is decoded by :func:`load_dcp_metadata_pickle`
+with a table of its own: DCP's metadata dataclasses as stand-ins and a few inert values, nothing
+else (no tensors, no placeholders).
+
+docs/format.md (security) lists the tables and why each entry is there.
 """
 
 from __future__ import annotations
