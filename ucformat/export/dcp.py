@@ -39,7 +39,6 @@ import io
 import os
 import pickle
 import re
-import uuid
 from dataclasses import dataclass
 from math import prod
 from pathlib import Path
@@ -56,6 +55,7 @@ from ucformat.export._common import (
     open_store_arg,
     prepare_destination,
 )
+from ucformat.export._dcp_metadata import dcp_metadata
 from ucformat.layout.boxes import row_chunks
 from ucformat.models import CheckpointManifest, ScalarState
 from ucformat.pyvalue import decode
@@ -80,7 +80,7 @@ _TORCH_ADAM_DEFAULTS: dict[str, Any] = {
     "fused": None,
 }
 Layout = Literal["flat", "nested"]
-Path_ = tuple[str | int, ...]
+KeyPath = tuple[str | int, ...]
 
 
 @dataclass(frozen=True)
@@ -97,7 +97,7 @@ class DcpTensorItem:
     """One tensor key: where its values come from and how it is cut."""
 
     key: str
-    path: Path_
+    path: KeyPath
     name: str
     state: str
     shape: tuple[int, ...]
@@ -121,7 +121,7 @@ class DcpValueItem:
     """One non-tensor key (a hyper-parameter, a ``params`` list): its Python value."""
 
     key: str
-    path: Path_
+    path: KeyPath
     value: Any
 
 
@@ -167,7 +167,7 @@ def plan_dcp(
     notes: list[str] = []
     tensors: list[DcpTensorItem] = []
 
-    def add(key: str, path: Path_, name: str, state: str, shape: tuple[int, ...], dtype: str,
+    def add(key: str, path: KeyPath, name: str, state: str, shape: tuple[int, ...], dtype: str,
             scalar: ScalarState | None = None) -> None:  # fmt: skip
         elements = max(1, piece_bytes // itemsize(dtype))
         cut = row_chunks(shape, world_size, elements)
@@ -237,14 +237,14 @@ def _torch_defaults(adam_w_mode: bool | None) -> dict[str, Any]:
     return {**_TORCH_ADAM_DEFAULTS, "decoupled_weight_decay": bool(adam_w_mode)}
 
 
-def _state_key(name: str, state: str, layout: Layout) -> tuple[str, Path_]:
+def _state_key(name: str, state: str, layout: Layout) -> tuple[str, KeyPath]:
     if layout == "nested":
         return f"optimizer.state.{name}.{state}", ("optimizer", "state", name, state)
     return f"optimizer.state.{name}.{state}", ("optimizer", f"state.{name}.{state}")
 
 
-def _value(path: Path_, value: Any) -> DcpValueItem:
-    full: Path_ = ("optimizer", *path)
+def _value(path: KeyPath, value: Any) -> DcpValueItem:
+    full: KeyPath = ("optimizer", *path)
     return DcpValueItem(".".join(str(p) for p in full), full, value)
 
 
@@ -294,51 +294,6 @@ def _write_data_file(
         os.fsync(handle.fileno())
     os.replace(tmp, folder / name)
     return where
-
-
-def _metadata(plan: DcpPlan, where: dict[tuple[str, int], tuple[str, int, int]], out: Path) -> Any:
-    """DCP's own ``Metadata`` for the written items."""
-    from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION, _StorageInfo
-    from torch.distributed.checkpoint.metadata import (
-        BytesStorageMetadata,
-        ChunkStorageMetadata,
-        Metadata,
-        MetadataIndex,
-        StorageMeta,
-        TensorProperties,
-        TensorStorageMetadata,
-    )
-
-    entries: dict[str, Any] = {}
-    storage: dict[Any, Any] = {}
-    planner: dict[str, Path_] = {}
-    for item in plan.tensors:
-        chunks = []
-        for index, piece in enumerate(item.pieces):
-            offsets = (piece.row_start, *(0 for _ in item.shape[1:])) if item.shape else ()
-            sizes = (piece.row_stop - piece.row_start, *item.shape[1:]) if item.shape else ()
-            chunks.append(ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes)))
-            file, offset, length = where[(item.key, index)]
-            storage[MetadataIndex(item.key, torch.Size(offsets), index)] = _StorageInfo(
-                file, offset, length
-            )
-        entries[item.key] = TensorStorageMetadata(
-            TensorProperties(dtype=torch_dtype(item.dtype)), torch.Size(item.shape), chunks
-        )
-        planner[item.key] = item.path
-    for value in plan.values:
-        entries[value.key] = BytesStorageMetadata()
-        file, offset, length = where[(value.key, -1)]
-        storage[MetadataIndex(value.key)] = _StorageInfo(file, offset, length)
-        planner[value.key] = value.path
-    meta = StorageMeta(checkpoint_id=out, save_id=str(uuid.uuid4()))
-    return Metadata(
-        state_dict_metadata=entries,
-        planner_data=planner,
-        storage_data=storage,
-        storage_meta=meta,
-        version=CURRENT_DCP_VERSION,
-    )
 
 
 def _owned(name: str) -> bool:
@@ -394,7 +349,7 @@ def export_dcp(
             where.update(_write_data_file(ckpt, folder, plan, rank, hooks))
         tmp = folder / f"{METADATA_NAME}.tmp"
         with open(tmp, "wb") as handle:
-            pickle.dump(_metadata(plan, where, folder), handle)
+            pickle.dump(dcp_metadata(plan, where, folder), handle)
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(tmp, folder / METADATA_NAME)
