@@ -52,6 +52,16 @@ def test_torchtitan_top_level_model_keys() -> None:
     assert layout.other == ["train_state.step", "lr_scheduler.last_epoch"]
 
 
+def test_torchtitan_with_fqns_that_start_with_model() -> None:
+    """An HF model saved torchtitan-style: its own FQNs begin with ``model.``."""
+    weights = ["model.embed.weight", "lm_head.weight"]
+    keys = [*weights, "optimizer.state.model.embed.weight.exp_avg",
+            "optimizer.state.lm_head.weight.exp_avg"]  # fmt: skip
+    layout = split_layout(keys, set(keys), "d")
+    assert layout.model_key == "." and set(layout.params) == set(weights)
+    assert set(layout.states) == set(weights)
+
+
 def test_explicit_keys() -> None:
     keys = ["net.w", "opt.state.w.exp_avg", "opt.param_groups.w.lr"]
     layout = split_layout(keys, {"net.w", "opt.state.w.exp_avg"}, "d", model_key="net",

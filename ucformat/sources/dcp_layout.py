@@ -81,6 +81,26 @@ def _optimizer_key(keys: list[str], given: str | None, where: str) -> str | None
     return None
 
 
+def _model_key(keys: list[str], tensors: set[str], optim: str | None) -> str | None:
+    """``model`` or the top level: the one holding the FQNs the optimizer state names.
+
+    Without optimizer state, ``model`` if it holds tensors. (An HF model saved torchtitan-style
+    has top-level FQNs such as ``model.layers.0...``: the optimizer's FQNs tell them apart.)
+    """
+    nested = [k for k in _under(keys, _MODEL_KEY) if k in tensors]
+    owners = {
+        k[len(f"{optim}.state.") :].rpartition(".")[0]
+        for k in keys
+        if optim and k.startswith(f"{optim}.state.")
+    }
+    if owners:
+        if owners <= {k[len(_MODEL_KEY) + 1 :] for k in nested}:
+            return _MODEL_KEY
+        if owners <= tensors:
+            return TOP_LEVEL
+    return _MODEL_KEY if nested else None
+
+
 def split_layout(
     keys: list[str],
     tensors: set[str],
@@ -97,7 +117,7 @@ def split_layout(
     optim = _optimizer_key(keys, optimizer_key, where)
     optim_keys = set(_under(keys, optim)) if optim else set()
     if model_key is None:
-        model_key = _MODEL_KEY if any(k in tensors for k in _under(keys, _MODEL_KEY)) else None
+        model_key = _model_key(keys, tensors, optim)
     if model_key is None and optim is not None:
         model_key = TOP_LEVEL  # torchtitan, if the optimizer's fqns are top-level tensors
     if model_key is None:
