@@ -31,6 +31,7 @@ import collections
 import importlib
 import io
 import pickle
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -40,6 +41,7 @@ from ucformat.errors import TruncatedFileError, UnsafePickleError
 
 __all__ = [
     "DCP_METADATA_CLASSES",
+    "DtypeName",
     "OpaqueObject",
     "PicklePolicy",
     "StandIn",
@@ -292,7 +294,7 @@ def load_pickle(
             raise UnsafePickleError(f"{source}: unknown storage type {storage_type!r:.80}.")
         return StorageRef(str(key), storage_type.dtype_name, int(numel))
 
-    return _restricted_load(payload, source, table, policy, persistent_load, hint=True)
+    return _restricted_load(payload, source, table, policy, persistent_load, torch_file=True)
 
 
 def load_dcp_metadata_pickle(payload: bytes, *, source: str) -> Any:
@@ -300,7 +302,8 @@ def load_dcp_metadata_pickle(payload: bytes, *, source: str) -> Any:
 
     Admitted: the DCP metadata dataclasses of :data:`DCP_METADATA_CLASSES` (as attribute-holding
     :class:`StandIn` objects), ``_MEM_FORMAT_ENCODING`` (an int), ``torch.serialization.
-    _get_layout`` (the layout's name), ``torch.Size`` (a tuple), torch dtypes, ``pathlib``
+    _get_layout`` (the layout's name), ``torch.Size`` (a tuple), torch dtypes (as
+    :class:`DtypeName`: torch is not imported), ``pathlib``
     paths (text) and ``collections.OrderedDict``. No tensor, no persistent id, no placeholder:
     any other global is refused with :class:`~ucformat.errors.UnsafePickleError`.
     """
@@ -319,7 +322,27 @@ def load_dcp_metadata_pickle(payload: bytes, *, source: str) -> Any:
     def persistent_load(pid: Any) -> Any:
         raise UnsafePickleError(f"{source}: unexpected persistent id {pid!r:.80}.")
 
-    return _restricted_load(payload, source, table, PicklePolicy(), persistent_load, hint=False)
+    return _restricted_load(
+        payload, source, table, PicklePolicy(), persistent_load, torch_file=False
+    )
+
+
+#: torch dtype attribute names (and aliases) -> the manifest's dtype name, for ``.metadata``.
+_DTYPE_ATTRIBUTES: dict[str, str] = {
+    "float64": "float64", "double": "float64", "float32": "float32", "float": "float32",
+    "float16": "float16", "half": "float16", "bfloat16": "bfloat16", "int64": "int64",
+    "long": "int64", "int32": "int32", "int": "int32", "int16": "int16", "short": "int16",
+    "int8": "int8", "uint8": "uint8", "bool": "bool",
+}  # fmt: skip
+
+
+_DTYPE_LIKE = re.compile(r"^(float|bfloat|int|uint|complex|qint|quint)[0-9a-z_]*$")
+
+
+class DtypeName(str):
+    """A pickled torch dtype, by name only (``.metadata`` is read without importing torch)."""
+
+    __slots__ = ()
 
 
 def _restricted_load(
@@ -329,11 +352,11 @@ def _restricted_load(
     policy: PicklePolicy,
     persistent_load: Callable[[Any], Any],
     *,
-    hint: bool,
+    torch_file: bool,
 ) -> Any:
     """Unpickle ``payload`` resolving globals through ``table`` (+ torch dtypes, placeholders)."""
     opaque_classes: dict[str, type[StandIn]] = {}
-    admit_opaque = hint  # the .metadata reader admits no placeholders at all
+    admit_opaque = torch_file  # the .metadata reader admits no placeholders at all
 
     class _Unpickler(pickle.Unpickler):
         def find_class(self, module: str, name: str) -> Any:
@@ -341,8 +364,11 @@ def _restricted_load(
             qualname = f"{module}.{name}"
             if qualname in table:
                 return table[qualname]
-            if module == "torch":
-                if name in _STORAGE_DTYPES and hint:
+            if module == "torch" and not torch_file:
+                if name in _DTYPE_ATTRIBUTES or _DTYPE_LIKE.match(name):  # a name, nothing more
+                    return DtypeName(_DTYPE_ATTRIBUTES.get(name, name))
+            elif module == "torch":
+                if name in _STORAGE_DTYPES:
                     return _StorageType(_STORAGE_DTYPES[name])
                 torch = importlib.import_module("torch")  # a pickled dtype: rare, so lazy
                 attribute = getattr(torch, name, None)
@@ -359,7 +385,7 @@ def _restricted_load(
             advice = (
                 " If this is trusted client state, pass --opaque-global "
                 f"{qualname} to keep it as an inert placeholder."
-                if hint
+                if torch_file
                 else ""
             )
             raise UnsafePickleError(
