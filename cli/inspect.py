@@ -12,7 +12,7 @@ from rich.markup import escape
 from ucformat_cli._errors import user_errors
 from ucformat_cli._table import render_table
 
-from ucformat.manifest_io import load_manifest
+from ucformat.store.manifest_io import load_manifest
 from ucformat.summary import format_bytes, summarize
 
 

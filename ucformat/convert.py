@@ -15,14 +15,14 @@ from zarr.storage import LocalStore
 
 from ucformat.errors import StoreExistsError
 from ucformat.layout.chunking import ChunkPolicy
-from ucformat.manifest_io import ROOT_KEY, commit_manifest
 from ucformat.models import CheckpointManifest
 from ucformat.plan import ConvertOptions, ConvertPlan, plan_convert
 from ucformat.sources.detect import read_source
 from ucformat.sources.safe_unpickle import PicklePolicy
 from ucformat.spec import FORMAT_NAME, FORMAT_VERSION, MANIFEST_KEY
+from ucformat.store.keys import StoreLike, delete_key, list_keys, open_store
+from ucformat.store.manifest_io import ROOT_KEY, commit_manifest
 from ucformat.writer import DEFAULT_WORKERS, create_arrays, write_units
-from ucformat.zarr_io import StoreLike, delete_key, list_keys, open_store
 
 __all__ = ["ConvertHooks", "convert", "plan_from_source"]
 

@@ -1,9 +1,9 @@
 """``ucformat.open``: a committed store, read lazily by parameter, state and flat range.
 
 A flat range ``[start, stop)`` of a parameter is widened to whole chunks. Uncompressed stores
-are read straight from the shard objects (:mod:`ucformat._shard_read`: the shard index, then
-one range request per run of chunks, every crc32c checked); otherwise, or when any check fails,
-the range maps to at most ``2 * ndim - 1`` boxes of its array
+are read straight from the shard objects (:mod:`ucformat.store.direct.shard_read`: the shard
+index, then one range request per run of chunks, every crc32c checked); otherwise, or when
+any check fails, the range maps to at most ``2 * ndim - 1`` boxes of its array
 (:func:`~ucformat.layout.ranges.flat_range_to_boxes`) read through zarr, which fetches only the
 inner chunks those boxes touch and names any bad chunk. Either way the same bytes are fetched,
 and every byte is counted in :attr:`UniversalCheckpoint.stats`.
@@ -20,23 +20,18 @@ import torch
 import zarr
 from zarr.abc.store import Store
 
-from ucformat._memory import prefaulted_empty
-from ucformat._shard_read import check_flat_range, read_flat_range
 from ucformat.dtypes import numpy_storage_dtype, storage_to_torch, torch_dtype
 from ucformat.errors import ParamNotFoundError
 from ucformat.layout.chunking import chunk_aligned_range
 from ucformat.layout.ranges import flat_range_to_boxes
-from ucformat.manifest_io import read_manifest
 from ucformat.models import ArrayRef, CheckpointManifest, ScalarState
 from ucformat.spec import FP32_STATE, shard_object_key
-from ucformat.zarr_io import (
-    CheckedStore,
-    IOStats,
-    StoreLike,
-    array_from_manifest,
-    open_store,
-    read_box,
-)
+from ucformat.store.arrays import array_from_manifest, read_box
+from ucformat.store.checked import CheckedStore, IOStats
+from ucformat.store.direct.memory import prefaulted_empty
+from ucformat.store.direct.shard_read import check_flat_range, read_flat_range
+from ucformat.store.keys import StoreLike, open_store
+from ucformat.store.manifest_io import read_manifest
 
 __all__ = ["BUFFER_STATE", "UniversalCheckpoint", "open_checkpoint", "scalar_value"]
 

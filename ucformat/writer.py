@@ -4,8 +4,8 @@ Each :class:`~ucformat.plan.WriteUnit` (one shard) is filled straight from the s
 stored as one object. Units are independent: they run on a thread pool here, and could run on
 many processes, each owning its units.
 
-Uncompressed shards (the default) are encoded by :mod:`ucformat._shard_write`, not by zarr: on a
-local store each worker streams the shard object into its (temporary, then renamed) file
+Uncompressed shards (the default) are encoded by :mod:`ucformat.store.direct.shard_write`, not by
+zarr: on a local store each worker streams the shard object into its (temporary, then renamed) file
 through one small reused buffer, so memory is about ``workers x 4 MiB`` whatever the shard
 size; on any other store the whole object is built in one buffer and stored with one ``set``
 (``workers x shard size``). ``zstd`` shards go through zarr's codec pipeline (:func:`fill_unit`,
@@ -24,13 +24,14 @@ import numpy as np
 import zarr
 from zarr.abc.store import Store
 
-from ucformat._shard_write import WINDOW_BYTES, encode_shard, shard_of, stream_shard
 from ucformat.dtypes import itemsize, numpy_storage_dtype, torch_to_storage
 from ucformat.models import ArrayRef
 from ucformat.plan import ConvertPlan, WriteUnit
 from ucformat.spec import shard_object_key
-from ucformat.zarr_io import create_arrays as create_array_group
-from ucformat.zarr_io import local_object, write_region, write_shard
+from ucformat.store.arrays import create_arrays as create_array_group
+from ucformat.store.arrays import write_region, write_shard
+from ucformat.store.direct.objects import local_object
+from ucformat.store.direct.shard_write import WINDOW_BYTES, encode_shard, shard_of, stream_shard
 
 __all__ = ["DEFAULT_WORKERS", "create_arrays", "fill_unit", "write_units"]
 

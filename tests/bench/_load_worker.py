@@ -59,7 +59,7 @@ def _rchar() -> int:
 
 
 def _state_tensors(engine: Any) -> list[torch.Tensor]:
-    from ucformat.loaders.deepspeed_engine import describe_engine
+    from ucformat.deepspeed.engine import describe_engine
 
     view = describe_engine(engine)
     out = []

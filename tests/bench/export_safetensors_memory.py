@@ -35,10 +35,11 @@ def build_store(path: Path, params: int, numel: int) -> None:
 
     from tests.helpers import source_info
     from ucformat.layout.chunking import ChunkPolicy, choose_chunking
-    from ucformat.manifest_io import commit_manifest
     from ucformat.models import ArrayRef, CheckpointManifest, ParamEntry
     from ucformat.spec import FORMAT_NAME, FORMAT_VERSION, MANIFEST_KEY, state_array_path
-    from ucformat.zarr_io import create_array, open_store
+    from ucformat.store.arrays import create_array
+    from ucformat.store.keys import open_store
+    from ucformat.store.manifest_io import commit_manifest
 
     store = open_store(path, read_only=False)
     attributes = {FORMAT_NAME: {"format_version": FORMAT_VERSION, "manifest": MANIFEST_KEY}}

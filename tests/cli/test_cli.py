@@ -29,8 +29,8 @@ from tests.hostile import (
     attacks,
     replace_data_pkl,
 )
-from ucformat.manifest_io import load_manifest
 from ucformat.schema import SCHEMA_PATH
+from ucformat.store.manifest_io import load_manifest
 
 DATA = Path(__file__).resolve().parents[1] / "fixtures" / "data"
 ZERO2 = DATA / "z2-fp32-dsadam-ftb-ws3" / "ckpt"  # world size 3

@@ -19,7 +19,6 @@ from pydantic import ValidationError
 
 from ucformat.dtypes import DTYPE_NAMES, itemsize
 from ucformat.errors import ManifestError
-from ucformat.manifest_io import manifest_digest, parse_manifest
 from ucformat.models import (
     ArrayRef,
     BufferEntry,
@@ -35,6 +34,7 @@ from ucformat.models import (
 )
 from ucformat.pyvalue import decode, encode
 from ucformat.schema import SCHEMA_PATH
+from ucformat.store.manifest_io import manifest_digest, parse_manifest
 
 FAST = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 SCHEMA = jsonschema.validators.validator_for(json.loads(SCHEMA_PATH.read_text()))(

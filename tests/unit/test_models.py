@@ -11,8 +11,8 @@ from pydantic import ValidationError
 from tests.helpers import tiny_manifest
 from ucformat.dtypes import DTYPE_NAMES
 from ucformat.errors import ManifestError, UnsupportedVersionError
-from ucformat.manifest_io import manifest_digest, parse_manifest
 from ucformat.models import CheckpointManifest, DTypeName
+from ucformat.store.manifest_io import manifest_digest, parse_manifest
 
 
 def test_dtype_literal_matches_dtype_table() -> None:

@@ -20,7 +20,7 @@ import torch
 
 from ucformat.errors import StoreExistsError, UnsupportedExportError
 from ucformat.reader import UniversalCheckpoint, open_checkpoint
-from ucformat.zarr_io import StoreLike
+from ucformat.store.keys import StoreLike
 
 __all__ = [
     "ExportHooks",

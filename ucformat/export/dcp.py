@@ -61,8 +61,8 @@ from ucformat.models import CheckpointManifest, ScalarState
 from ucformat.pyvalue import decode
 from ucformat.reader import BUFFER_STATE, UniversalCheckpoint
 from ucformat.spec import FP32_STATE
+from ucformat.store.keys import StoreLike
 from ucformat.summary import format_bytes
-from ucformat.zarr_io import StoreLike
 
 __all__ = ["DcpPiece", "DcpPlan", "DcpTensorItem", "DcpValueItem", "export_dcp", "plan_dcp"]
 

@@ -52,8 +52,8 @@ from ucformat.export._native_files import RankFiles, frozen_fragments
 from ucformat.export._native_target import NativePlan, native_target, plan_native
 from ucformat.models import CheckpointManifest
 from ucformat.reader import UniversalCheckpoint
+from ucformat.store.keys import StoreLike
 from ucformat.summary import format_bytes
-from ucformat.zarr_io import StoreLike
 
 __all__ = ["export_deepspeed", "plan_deepspeed"]
 

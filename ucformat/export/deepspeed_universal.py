@@ -54,8 +54,8 @@ from ucformat.models import CheckpointManifest
 from ucformat.pyvalue import decode
 from ucformat.reader import UniversalCheckpoint, scalar_value
 from ucformat.spec import FP32_STATE, STEP_STATE
+from ucformat.store.keys import StoreLike
 from ucformat.summary import format_bytes
-from ucformat.zarr_io import StoreLike
 
 __all__ = ["LATEST_UNIVERSAL", "export_deepspeed_universal", "plan_deepspeed_universal"]
 

@@ -49,8 +49,8 @@ from ucformat.export._common import (
 from ucformat.models import CheckpointManifest
 from ucformat.reader import BUFFER_STATE, UniversalCheckpoint
 from ucformat.spec import FP32_STATE
+from ucformat.store.keys import StoreLike
 from ucformat.summary import format_bytes
-from ucformat.zarr_io import StoreLike
 
 __all__ = [
     "INDEX_NAME",

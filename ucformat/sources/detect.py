@@ -7,7 +7,7 @@ from pathlib import Path
 from ucformat.errors import UnsupportedCheckpointError
 from ucformat.sources.base import SourceCheckpoint
 from ucformat.sources.dcp import is_dcp_folder, read_dcp_checkpoint
-from ucformat.sources.deepspeed import read_deepspeed_checkpoint
+from ucformat.sources.deepspeed.checkpoint import read_deepspeed_checkpoint
 from ucformat.sources.safe_unpickle import PicklePolicy
 
 __all__ = ["read_source"]

@@ -13,7 +13,7 @@ read each run of chunks that lie back to back in the object with one request:
 
 Every chunk's crc32c is checked where it landed. The bytes fetched are those zarr fetches for the
 same read (the chunks and the index: :mod:`ucformat.layout.reads`), and they are counted in the
-reader's :class:`~ucformat.zarr_io.IOStats`; what is saved is zarr's per-chunk decode (a
+reader's :class:`~ucformat.store.checked.IOStats`; what is saved is zarr's per-chunk decode (a
 coroutine, an output array and a copy per chunk) and the reader's copy out of zarr's result.
 
 Anything unexpected (a bad checksum, an index entry that is absent or of the wrong size, a short
@@ -32,7 +32,6 @@ import crc32c
 import numpy as np
 from zarr.abc.store import Store
 
-from ucformat._fileio import preadv_all
 from ucformat.dtypes import itemsize
 from ucformat.layout.shards import (
     ABSENT,
@@ -43,7 +42,9 @@ from ucformat.layout.shards import (
     shards_in_range,
 )
 from ucformat.models import ArrayRef
-from ucformat.zarr_io import CheckedStore, fetch_bytes, local_file
+from ucformat.store.checked import CheckedStore
+from ucformat.store.direct.fileio import preadv_all
+from ucformat.store.direct.objects import fetch_bytes, local_file
 
 __all__ = ["check_flat_range", "read_flat_range"]
 

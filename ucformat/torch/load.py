@@ -38,7 +38,7 @@ from ucformat.models import CheckpointManifest
 from ucformat.pyvalue import decode
 from ucformat.reader import BUFFER_STATE, UniversalCheckpoint, open_checkpoint, scalar_value
 from ucformat.spec import FP32_STATE, STEP_STATE
-from ucformat.zarr_io import StoreLike
+from ucformat.store.keys import StoreLike
 
 __all__ = ["TorchLoadReport", "load", "model_state_dict", "optimizer_state_dict", "state_dicts"]
 

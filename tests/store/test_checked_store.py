@@ -6,7 +6,8 @@ import pytest
 from zarr.storage import MemoryStore
 
 from ucformat.errors import ChunkMissingError
-from ucformat.zarr_io import CheckedStore, read_key
+from ucformat.store.checked import CheckedStore
+from ucformat.store.keys import read_key
 
 
 @pytest.mark.parametrize("key", ["params/w/fp32/c/0/1", "buffers/n/c", "params/c/fp32/c/0"])

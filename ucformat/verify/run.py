@@ -34,16 +34,6 @@ import numpy as np
 import zarr
 from zarr.abc.store import Store
 
-from ucformat._shard_read import read_flat_range
-from ucformat._verify_checks import (
-    ManifestArray,
-    bit_differences,
-    document_differences,
-    manifest_arrays,
-    manifest_differences,
-    ref_problems,
-)
-from ucformat._verify_source import SourceShards, replan_source
 from ucformat.dtypes import numpy_storage_dtype
 from ucformat.errors import (
     ChunkMissingError,
@@ -52,28 +42,35 @@ from ucformat.errors import (
     UnsupportedVersionError,
 )
 from ucformat.layout.grid import chunk_box, chunk_flat_range, chunks_in_box, shard_grid
-from ucformat.manifest_io import (
+from ucformat.models import ArrayRef, CheckpointManifest
+from ucformat.spec import FORMAT_NAME, MANIFEST_KEY
+from ucformat.store.arrays import (
+    BadChunk,
+    array_from_manifest,
+    bad_chunks,
+    chunk_key,
+    expected_metadata,
+    read_box,
+)
+from ucformat.store.checked import CheckedStore
+from ucformat.store.direct.shard_read import read_flat_range
+from ucformat.store.keys import StoreLike, list_keys, open_store, read_key
+from ucformat.store.manifest_io import (
     ROOT_KEY,
     digest_matches,
     parse_manifest,
     read_manifest_bytes,
 )
-from ucformat.models import ArrayRef, CheckpointManifest
-from ucformat.spec import FORMAT_NAME, MANIFEST_KEY
 from ucformat.summary import format_bytes
-from ucformat.zarr_io import (
-    BadChunk,
-    CheckedStore,
-    StoreLike,
-    array_from_manifest,
-    bad_chunks,
-    chunk_key,
-    expected_metadata,
-    list_keys,
-    open_store,
-    read_box,
-    read_key,
+from ucformat.verify.checks import (
+    ManifestArray,
+    bit_differences,
+    document_differences,
+    manifest_arrays,
+    manifest_differences,
+    ref_problems,
 )
+from ucformat.verify.source import SourceShards, replan_source
 
 __all__ = ["Problem", "VerifyReport", "verify"]
 

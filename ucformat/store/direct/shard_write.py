@@ -13,8 +13,9 @@ crc32c is computed in place. Two ways to use it:
   ``store.set``).
 
 Either way the bytes are exactly those zarr writes for the same region
-(``tests/unit/test_shards.py``, ``tests/integration/test_shard_encoding.py``); zarr's per-chunk
-encode (a coroutine, a checksum copy and a shard copy per chunk) is what this avoids.
+(``tests/store/direct/test_shard_write.py``, ``tests/store/direct/test_shard_encoding.py``);
+zarr's per-chunk encode (a coroutine, a checksum copy and a shard copy per chunk) is what this
+avoids.
 """
 
 from __future__ import annotations
@@ -26,11 +27,11 @@ from collections.abc import Iterator, Sequence
 import crc32c
 import numpy as np
 
-from ucformat._fileio import pwrite_all
 from ucformat.dtypes import itemsize, torch_to_storage
 from ucformat.layout.shards import ABSENT, CRC_BYTES, ChunkSlot, ShardLayout, shard_layout
 from ucformat.models import ArrayRef
 from ucformat.plan import CopyItem, WriteUnit
+from ucformat.store.direct.fileio import pwrite_all
 
 __all__ = ["WINDOW_BYTES", "ShardEncoder", "encode_shard", "shard_of", "stream_shard"]
 

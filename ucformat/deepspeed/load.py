@@ -25,10 +25,11 @@ from typing import Any
 
 import torch
 
+from ucformat.deepspeed.engine import EngineView, describe_engine
 from ucformat.errors import LoadAbortedError, ModelMismatchError, UCFormatError
 from ucformat.layout.partition import Fragment
-from ucformat.loaders.deepspeed_engine import EngineView, describe_engine
-from ucformat.loaders.partitions import (
+from ucformat.models import CheckpointManifest
+from ucformat.partitions import (
     FlatTarget,
     ReadTally,
     can_fill_in_place,
@@ -36,11 +37,10 @@ from ucformat.loaders.partitions import (
     rank_fragments,
     read_flat_state,
 )
-from ucformat.models import CheckpointManifest
 from ucformat.pyvalue import decode
 from ucformat.reader import BUFFER_STATE, UniversalCheckpoint, open_checkpoint, scalar_value
 from ucformat.spec import FP32_STATE, STEP_STATE
-from ucformat.zarr_io import StoreLike
+from ucformat.store.keys import StoreLike
 
 __all__ = ["LoadReport", "load"]
 

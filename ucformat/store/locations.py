@@ -1,7 +1,7 @@
 """Where a store lives: a local directory, or a URL only a zarr store can reach.
 
-Pure path logic with no zarr or torch import, shared by :func:`ucformat.zarr_io.open_store` and
-the manifest-only path of ``ucformat inspect`` (:func:`ucformat.manifest_io.load_manifest`).
+Pure path logic with no zarr or torch import, shared by :func:`ucformat.store.keys.open_store` and
+the manifest-only path of ``ucformat inspect`` (:func:`ucformat.store.manifest_io.load_manifest`).
 """
 
 from __future__ import annotations

@@ -14,13 +14,14 @@ import pytest
 from zarr.core.indexing import morton_order_iter
 from zarr.storage import MemoryStore
 
-from ucformat._shard_write import encode_shard, stream_shard
 from ucformat.layout.chunking import ChunkPolicy, choose_chunking
 from ucformat.layout.shards import morton_order, shard_layout
 from ucformat.models import ArrayRef
 from ucformat.plan import _units
 from ucformat.sources.base import ArraySource, SourceFragment
-from ucformat.zarr_io import chunk_key, create_array, read_key, write_region
+from ucformat.store.arrays import chunk_key, create_array, write_region
+from ucformat.store.direct.shard_write import encode_shard, stream_shard
+from ucformat.store.keys import read_key
 
 
 @pytest.mark.parametrize("grid", [(1,), (7,), (2, 2), (3, 5), (5, 1), (1, 6), (4, 1, 3), (2, 3, 4)])

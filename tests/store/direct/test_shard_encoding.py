@@ -10,9 +10,10 @@ from zarr.storage import LocalStore, MemoryStore
 
 import ucformat
 from ucformat.plan import shard_regions
-from ucformat.zarr_io import array_from_manifest, chunk_key, create_array, read_key, write_region
+from ucformat.store.arrays import array_from_manifest, chunk_key, create_array, write_region
+from ucformat.store.keys import read_key
 
-DATA = Path(__file__).resolve().parents[1] / "fixtures" / "data"
+DATA = Path(__file__).resolve().parents[2] / "fixtures" / "data"
 
 
 @pytest.mark.parametrize(
@@ -53,11 +54,11 @@ def test_fast_reads_equal_zarr_reads(tmp_path: Path) -> None:
     """The reader's direct shard reads give zarr's values and fetch zarr's bytes."""
     import random
 
-    from ucformat._shard_read import read_flat_range
     from ucformat.dtypes import numpy_storage_dtype
     from ucformat.layout.chunking import chunk_aligned_range
     from ucformat.layout.ranges import flat_range_to_boxes
-    from ucformat.zarr_io import read_box
+    from ucformat.store.arrays import read_box
+    from ucformat.store.direct.shard_read import read_flat_range
 
     ucformat.convert(
         DATA / "z3-bf16-dsadam-ftb-ws4" / "ckpt", tmp_path / "s", chunk_bytes=24, shard_bytes=96

@@ -11,7 +11,7 @@ from ucformat.layout.chunking import ChunkPolicy, choose_chunking
 from ucformat.layout.grid import shard_grid
 from ucformat.models import ArrayRef
 from ucformat.spec import shard_object_key, state_array_path
-from ucformat.zarr_io import chunk_key, create_array
+from ucformat.store.arrays import chunk_key, create_array
 
 
 @pytest.mark.parametrize("shape", [(), (7,), (300, 5), (4, 3, 70)])

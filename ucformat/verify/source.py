@@ -16,12 +16,12 @@ from pathlib import Path
 
 import numpy as np
 
-from ucformat._verify_checks import ManifestArray
 from ucformat.layout.chunking import Chunking
 from ucformat.models import ArrayRef, CheckpointManifest
 from ucformat.plan import ConvertOptions, ConvertPlan, WriteUnit, plan_convert
 from ucformat.sources.detect import read_source
 from ucformat.sources.safe_unpickle import PicklePolicy
+from ucformat.verify.checks import ManifestArray
 from ucformat.writer import fill_unit
 
 __all__ = ["SourceShards", "replan_source"]
@@ -71,8 +71,9 @@ def replan_source(
     )
     names = frozenset(opaque_globals)
     policy = PicklePolicy(opaque_globals=names - {"*"}, all_unknown_opaque="*" in names)
-    tag = manifest.source.tag
-    tag = tag if manifest.source.framework == "deepspeed" and tag and (src / tag).is_dir() else None
+    stored = manifest.source.tag
+    deepspeed_tag = manifest.source.framework == "deepspeed" and stored and (src / stored).is_dir()
+    tag = stored if deepspeed_tag else None
     with read_source(src, tag=tag, policy=policy) as source:
         plan = plan_convert(source, options)
         units: dict[str, dict[int, WriteUnit]] = {ref.path: {} for ref in plan.arrays}

@@ -32,8 +32,8 @@ from ucformat.models import (
 )
 from ucformat.pyvalue import encode, try_encode
 from ucformat.sources.base import ArraySource, SourceCheckpoint, SourceFragment, SourceParam
-from ucformat.sources.deepspeed_files import ZeroFiles, find_zero_files, locate_tag_folder
-from ucformat.sources.deepspeed_states import (
+from ucformat.sources.deepspeed.files import ZeroFiles, find_zero_files, locate_tag_folder
+from ucformat.sources.deepspeed.states import (
     FP32,
     FlatStates,
     read_zero3_states,

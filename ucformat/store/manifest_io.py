@@ -25,14 +25,14 @@ from ucformat.errors import (
     NotAStoreError,
     UnsupportedVersionError,
 )
-from ucformat.locations import existing_store_directory, local_directory
 from ucformat.models import CheckpointManifest
 from ucformat.spec import FORMAT_NAME, FORMAT_VERSION, MANIFEST_KEY
+from ucformat.store.locations import existing_store_directory, local_directory
 
 if TYPE_CHECKING:
     from zarr.abc.store import Store
 
-    from ucformat.zarr_io import StoreLike
+    from ucformat.store.keys import StoreLike
 
 #: Reads one object of a store by key; None when it is absent.
 KeyReader = Callable[[str], "bytes | None"]
@@ -72,7 +72,7 @@ def document_digest(document: Mapping[str, Any]) -> str:
 
 def commit_manifest(store: Store, manifest: CheckpointManifest) -> CheckpointManifest:
     """Stamp ``manifest`` with its digest and write it as the store's last object."""
-    from ucformat.zarr_io import write_key
+    from ucformat.store.keys import write_key
 
     stamped = manifest.model_copy(update={"digest": manifest_digest(manifest)})
     text = stamped.model_dump_json(indent=1)
@@ -97,11 +97,11 @@ def load_manifest(target: StoreLike) -> CheckpointManifest:
 
     What ``ucformat inspect`` uses: a local store is read with plain file I/O, so neither zarr nor
     torch is imported; any other target goes through its zarr store. The errors are those of
-    :func:`read_manifest`, and of :func:`ucformat.zarr_io.open_store` for a bad path.
+    :func:`read_manifest`, and of :func:`ucformat.store.keys.open_store` for a bad path.
     """
     path = local_directory(target) if isinstance(target, (str, Path)) else None
     if path is None:
-        from ucformat.zarr_io import open_store
+        from ucformat.store.keys import open_store
 
         return read_manifest(open_store(target, read_only=True), str(target))
     directory = existing_store_directory(path)
@@ -121,7 +121,7 @@ def _file_reader(directory: Path) -> KeyReader:
 
 def read_manifest_bytes(store: Store, where: str) -> bytes:
     """The manifest object of ``store``; the errors of :func:`read_manifest` when absent."""
-    from ucformat.zarr_io import read_key
+    from ucformat.store.keys import read_key
 
     return _read_manifest_payload(lambda key: read_key(store, key), where)
 

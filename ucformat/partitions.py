@@ -20,11 +20,11 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ucformat._memory import prefaulted_empty
 from ucformat.dtypes import itemsize, numpy_storage_dtype, storage_to_torch, torch_dtype
 from ucformat.layout.partition import Fragment, PartitionedFlatLayout, PerParamLayout
 from ucformat.reader import UniversalCheckpoint
 from ucformat.spec import FP32_STATE
+from ucformat.store.direct.memory import prefaulted_empty
 
 __all__ = [
     "FlatTarget",

@@ -1,1 +1,0 @@
-"""Loaders: fill a training job's partitions from a ucformat store."""

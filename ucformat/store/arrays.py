@@ -1,0 +1,254 @@
+"""zarr arrays: the codec chain, array creation, region and shard writes, box reads.
+
+Every array uses the same codec chain, declared once in :func:`codec_chain`: the
+``sharding_indexed`` codec, whose inner chunks are little-endian ``bytes`` (optionally ``zstd``)
+followed by a ``crc32c`` checksum, and whose shard index is ``bytes`` + ``crc32c`` at the end of
+each shard. ``write_empty_chunks`` is on, so every shard of a complete store exists and a missing
+one is a loss, never a silent fill value.
+
+Reads go through :class:`~ucformat.store.checked.CheckedStore`. A chunk that fails its checksum,
+or array metadata that cannot be parsed, is a :class:`~ucformat.errors.CorruptDataError` naming
+the array and the chunk: never data.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import zarr
+from zarr.abc.store import Store
+from zarr.codecs import BytesCodec, Crc32cCodec, ZstdCodec
+from zarr.core.array import AsyncArray
+from zarr.core.buffer import default_buffer_prototype
+from zarr.core.metadata.v3 import ArrayV3Metadata
+from zarr.core.sync import sync
+from zarr.storage import MemoryStore, StorePath
+
+from ucformat.dtypes import numpy_storage_dtype
+from ucformat.errors import ChunkMissingError, CorruptDataError
+from ucformat.layout.grid import chunk_box, chunk_flat_range, chunks_in_box
+from ucformat.models import ArrayRef
+from ucformat.store.keys import read_key
+
+__all__ = [
+    "BadChunk",
+    "array_from_manifest",
+    "bad_chunks",
+    "chunk_key",
+    "codec_chain",
+    "create_array",
+    "create_arrays",
+    "expected_metadata",
+    "open_array",
+    "read_box",
+    "write_region",
+    "write_shard",
+]
+
+
+def codec_chain(compressor: str) -> list[Any]:
+    """The inner-chunk bytes-to-bytes codecs: optional zstd, then a crc32c checksum."""
+    codecs: list[Any] = [ZstdCodec(level=3)] if compressor == "zstd" else []
+    return [*codecs, Crc32cCodec()]
+
+
+def create_array(store: Store, ref: ArrayRef) -> zarr.Array[Any]:
+    """Create the (empty) zarr array described by ``ref``; write no chunks."""
+    storage_dtype = numpy_storage_dtype(ref.dtype)
+    common: dict[str, Any] = {
+        "name": ref.path,
+        "shape": tuple(ref.shape),
+        "dtype": storage_dtype,
+        "fill_value": 0,
+        "filters": None,
+        "compressors": codec_chain(ref.compressor),
+        "serializer": BytesCodec(endian="little") if storage_dtype.itemsize > 1 else BytesCodec(),
+        "attributes": {"ucformat": {"dtype": ref.dtype}},
+        "config": {"write_empty_chunks": True},
+        "zarr_format": 3,
+        "overwrite": True,
+    }
+    if ref.shape:
+        common["chunks"] = tuple(ref.chunk_shape)
+        common["shards"] = tuple(ref.shard_shape)
+    else:
+        common["chunks"] = ()
+    return zarr.create_array(store, **common)
+
+
+def create_arrays(store: Store, refs: Sequence[ArrayRef]) -> list[zarr.Array[Any]]:
+    """Create every array of ``refs`` at once; write no chunks.
+
+    The same objects as :func:`create_array` for each (the array's ``zarr.json`` and those of
+    its missing parent groups), written concurrently in one event-loop round instead of one
+    ``create_array`` round trip per array.
+    """
+    documents: dict[str, bytes] = {}
+    for ref in refs:
+        parts = ref.path.split("/")
+        for depth in range(1, len(parts)):
+            documents.setdefault("/".join(parts[:depth]) + "/zarr.json", _group_document())
+    for ref in refs:
+        documents[f"{ref.path}/zarr.json"] = _expected_document(
+            ref.dtype, tuple(ref.shape), tuple(ref.chunk_shape), tuple(ref.shard_shape),
+            ref.compressor,
+        ).encode()  # fmt: skip
+    prototype = default_buffer_prototype()
+
+    async def write_all() -> None:
+        await asyncio.gather(
+            *(store.set(key, prototype.buffer.from_bytes(data)) for key, data in documents.items())
+        )
+
+    sync(write_all())
+    return [array_from_manifest(store, ref) for ref in refs]
+
+
+@functools.lru_cache(maxsize=1)
+def _group_document() -> bytes:
+    """The ``zarr.json`` zarr writes for an implicit parent group."""
+    store = MemoryStore()
+    zarr.create_group(store, path="g", zarr_format=3)
+    document = read_key(store, "g/zarr.json")
+    if document is None:
+        raise RuntimeError("zarr wrote no group metadata")
+    return document
+
+
+def open_array(store: Store, path: str) -> zarr.Array[Any]:
+    """Open an existing array from its own ``zarr.json``, without any zarr v2 probing.
+
+    Raises:
+        ChunkMissingError: the array's ``zarr.json`` is missing.
+        CorruptDataError: the ``zarr.json`` cannot be parsed.
+    """
+    try:
+        return zarr.open_array(store, path=path, mode="r", zarr_format=3)
+    except ChunkMissingError:
+        raise
+    except FileNotFoundError:
+        raise ChunkMissingError(
+            f"{path}: the array's metadata (zarr.json) is missing from the store."
+        ) from None
+    except (ValueError, KeyError, TypeError) as exc:
+        raise CorruptDataError(
+            f"{path}/zarr.json: the array's metadata is damaged ({type(exc).__name__}: "
+            f"{str(exc)[:200]}); the store is corrupt (run 'ucformat verify')."
+        ) from None
+
+
+@functools.lru_cache(maxsize=256)
+def _expected_document(
+    dtype: str, shape: tuple[int, ...], chunk: tuple[int, ...], shard: tuple[int, ...], comp: str
+) -> str:
+    store = MemoryStore()
+    ref = ArrayRef(
+        path="a", dtype=dtype, shape=list(shape), chunk_shape=list(chunk),  # type: ignore[arg-type]
+        shard_shape=list(shard), nbytes=0, compressor=comp,  # type: ignore[arg-type]
+    )  # fmt: skip
+    create_array(store, ref)
+    document = read_key(store, "a/zarr.json")
+    if document is None:
+        raise RuntimeError("zarr wrote no array metadata")
+    return document.decode()
+
+
+def expected_metadata(ref: ArrayRef) -> dict[str, Any]:
+    """The ``zarr.json`` document :func:`create_array` writes for ``ref``, parsed."""
+    text = _expected_document(
+        ref.dtype, tuple(ref.shape), tuple(ref.chunk_shape), tuple(ref.shard_shape), ref.compressor
+    )
+    document: dict[str, Any] = json.loads(text)
+    return document
+
+
+def array_from_manifest(store: Store, ref: ArrayRef) -> zarr.Array[Any]:
+    """The array described by ``ref``, opened without reading its ``zarr.json``."""
+    metadata = ArrayV3Metadata.from_dict(expected_metadata(ref))
+    return zarr.Array(AsyncArray(metadata=metadata, store_path=StorePath(store, ref.path)))
+
+
+def chunk_key(array: zarr.Array[Any], coords: tuple[int, ...]) -> str:
+    """The store key of the object holding chunk (or, sharded, shard) ``coords``."""
+    return f"{array.path}/{array.metadata.encode_chunk_key(coords)}"
+
+
+def write_region(array: zarr.Array[Any], region: tuple[slice, ...], data: np.ndarray) -> None:
+    """Write ``data`` (already in storage dtype and region shape) to ``array[region]``."""
+    array[region] = data
+
+
+def write_shard(array: zarr.Array[Any], shard: tuple[int, ...], data: np.ndarray) -> None:
+    """Store ``data`` (``uint8``, an encoded shard object) as shard ``shard`` of ``array``."""
+    buffer = default_buffer_prototype().buffer.from_array_like(data)
+    sync(array.store_path.store.set(chunk_key(array, shard), buffer))
+
+
+def read_box(array: zarr.Array[Any], box: tuple[slice, ...]) -> np.ndarray:
+    """Read ``array[box]``, every chunk checksum verified.
+
+    Raises:
+        ChunkMissingError: an object of the box is missing.
+        CorruptDataError: a chunk fails its checksum or cannot be decoded; the message names
+            the array, the first bad chunk's grid coordinates and its flat element range.
+    """
+    try:
+        return np.asarray(array[box])
+    except ChunkMissingError:
+        raise
+    except (ValueError, RuntimeError) as exc:
+        first = next(bad_chunks(array, box), None)
+        if first is None:  # no single chunk fails alone: describe the read
+            where = "the scalar chunk" if not box else f"elements {_describe_box(box)}"
+            raise CorruptDataError(
+                f"{array.path}: cannot decode {where} ({_reason(exc)}); the store is corrupt "
+                "(run 'ucformat verify')."
+            ) from None
+        raise CorruptDataError(
+            f"{array.path}: {first.describe()} {first.reason}; the store is corrupt, no values "
+            "were returned (run 'ucformat verify' for a full report)."
+        ) from None
+
+
+@dataclass(frozen=True)
+class BadChunk:
+    """A chunk that cannot be read back: grid coordinates, flat element range and why."""
+
+    coords: tuple[int, ...]
+    start: int
+    stop: int
+    reason: str
+
+    def describe(self) -> str:
+        """``chunk (3, 0) (elements [48, 64))``."""
+        coords = "(" + ", ".join(map(str, self.coords)) + ")"
+        return f"chunk {coords} (elements [{self.start}, {self.stop}))"
+
+
+def bad_chunks(array: zarr.Array[Any], box: tuple[slice, ...]) -> Iterator[BadChunk]:
+    """Read every chunk of ``box`` on its own and yield those that fail their checksum."""
+    shape, chunks = tuple(array.shape), tuple(array.chunks)
+    for coords in chunks_in_box(shape, chunks, box):
+        try:
+            np.asarray(array[chunk_box(shape, chunks, coords)])
+        except ChunkMissingError:
+            raise
+        except (ValueError, RuntimeError) as exc:
+            start, stop = chunk_flat_range(shape, chunks, coords)
+            yield BadChunk(coords, start, stop, _reason(exc))
+
+
+def _reason(exc: BaseException) -> str:
+    if "checksum" in str(exc).lower():
+        return "fails its crc32c checksum"
+    return f"cannot be decoded ({type(exc).__name__}: {str(exc)[:200]})"
+
+
+def _describe_box(box: tuple[slice, ...]) -> str:
+    return "[" + ", ".join(f"{s.start}:{s.stop}" for s in box) + "]"
