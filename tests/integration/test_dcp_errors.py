@@ -6,6 +6,7 @@ damaged one way each, plus layouts saved here by stock ``dcp.save`` (single proc
 
 from __future__ import annotations
 
+import os
 import pickle
 import shutil
 from pathlib import Path
@@ -133,3 +134,14 @@ def test_model_key_on_a_deepspeed_source_is_refused(tmp_path: Path) -> None:
     src = Path(__file__).parents[1] / "fixtures" / "data" / "z1-bf16-dsadam-simple-ws2" / "ckpt"
     result = invoke("convert", src, tmp_path / "x.ucf", "--model-key", "model")
     assert_user_error(result, "--model-key")
+
+
+def test_convert_releases_every_file_descriptor(flat_dcp: Path, tmp_path: Path) -> None:
+    def open_fds() -> int:
+        return len(os.listdir("/proc/self/fd"))
+
+    before = open_fds()
+    ucformat.convert(flat_dcp, tmp_path / "ok.ucf")
+    with pytest.raises(NotACheckpointError):
+        ucformat.convert(flat_dcp, tmp_path / "bad.ucf", model_key="nothing")
+    assert open_fds() == before

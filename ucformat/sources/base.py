@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -80,11 +81,17 @@ class SourceCheckpoint:
     progress: TrainingProgress
     client_state: ClientState
     files: list[TorchFile] = field(default_factory=list, repr=False)
+    #: Called by :meth:`close` after the files: releases what a reader shares between them
+    #: (the DCP reader's one descriptor per data file).
+    closers: list[Callable[[], None]] = field(default_factory=list, repr=False)
 
     def close(self) -> None:
         """Close every open source file."""
         for handle in self.files:
             handle.close()
+        for closer in self.closers:
+            closer()
+        self.closers.clear()
 
     def __enter__(self) -> SourceCheckpoint:
         return self

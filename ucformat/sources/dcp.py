@@ -145,6 +145,10 @@ class _Reader:
     def close(self) -> None:
         for handle in self.handles:
             handle.close()
+        self.close_descriptors()
+
+    def close_descriptors(self) -> None:
+        """Close the data files' descriptors (after every item handle is closed)."""
         for fd in self.fds.values():
             os.close(fd)
         self.fds.clear()
@@ -255,6 +259,7 @@ class _Reader:
             progress=TrainingProgress(),
             client_state=self._client_state(layout.other),
             files=list(self.handles),
+            closers=[self.close_descriptors],
         )
 
     def _add_state(self, param: SourceParam, name: str, state: str, key: str) -> None:
