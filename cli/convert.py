@@ -30,7 +30,8 @@ def convert_command(
     src: Annotated[
         str,
         typer.Argument(
-            help="DeepSpeed checkpoint: tag folder, or run folder with 'latest' (local)."
+            help="DeepSpeed checkpoint (tag folder, or run folder with 'latest'), or a PyTorch "
+            "Distributed Checkpoint folder (has .metadata); local."
         ),
     ],
     dst: Annotated[str, typer.Argument(help="Destination store: a path or an fsspec URL.")],
@@ -69,9 +70,20 @@ def convert_command(
             "is then converted as it is).",
         ),
     ] = False,
+    model_key: Annotated[
+        str | None,
+        typer.Option(
+            help="DCP only: key of the model state dict [default: 'model', else torchtitan's "
+            "top-level keys]; '.' for the top level."
+        ),
+    ] = None,
+    optimizer_key: Annotated[
+        str | None,
+        typer.Option(help="DCP only: key of the optimizer state dict [default: optimizer/optim]."),
+    ] = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar.")] = False,
 ) -> None:
-    """Convert a DeepSpeed ZeRO-1/2/3 checkpoint into a universal ucformat store.
+    """Convert a DeepSpeed ZeRO-1/2/3 checkpoint or a PyTorch DCP folder into a ucformat store.
 
     Launched by torchrun (WORLD_SIZE > 1), every process writes a share of the shards and rank 0
     commits: torchrun [--nnodes K] --nproc_per_node N -m ucformat_cli convert SRC DST.
@@ -120,15 +132,22 @@ def convert_command(
             opaque_globals=opaque_global or (),
             check_source=not no_check_source,
             hooks=ConvertHooks(on_plan=on_plan, on_bytes=lambda n: bar.advance(task, n)),
+            model_key=model_key,
+            optimizer_key=optimizer_key,
         )
     plan = planned[0]
     source = manifest.source
     shards = len(plan.units)
     what = "would write" if dry_run else "wrote"
+    origin = (
+        f"DeepSpeed ZeRO-{source.zero_stage} x{source.world_size} {source.train_dtype} "
+        f"(tag {source.tag})"
+        if source.framework == "deepspeed"
+        else f"PyTorch DCP x{source.world_size} {source.train_dtype}"
+    )
     typer.echo(
         f"{what} {len(plan.arrays)} arrays ({shards} shards, {format_bytes(plan.nbytes)}) for "
-        f"{len(manifest.params)} params from DeepSpeed ZeRO-{source.zero_stage} "
-        f"x{source.world_size} {source.train_dtype} (tag {source.tag}) to {dst} in "
+        f"{len(manifest.params)} params from {origin} to {dst} in "
         f"{time.perf_counter() - started:.2f}s"
     )
     if manifest.client_state.unrepresentable:

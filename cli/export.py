@@ -1,4 +1,4 @@
-"""``ucformat export {safetensors,deepspeed-universal,deepspeed} STORE OUT``."""
+"""``ucformat export {safetensors,deepspeed-universal,deepspeed,dcp} STORE OUT``."""
 
 from __future__ import annotations
 
@@ -23,7 +23,8 @@ if TYPE_CHECKING:  # the exporters (and torch) are imported by the command that 
 export_app = typer.Typer(
     name="export",
     help="Write a store in another format: safetensors weights, DeepSpeed's universal "
-    "checkpoint, or a native DeepSpeed ZeRO checkpoint for a new world size.",
+    "checkpoint, a native DeepSpeed ZeRO checkpoint for a new world size, or a PyTorch "
+    "Distributed Checkpoint.",
     no_args_is_help=True,
 )
 
@@ -220,6 +221,46 @@ def deepspeed_command(
     )
 
 
+@user_errors
+def dcp_command(
+    store: Store,
+    out: Out,
+    world_size: Annotated[
+        int | None,
+        typer.Option(
+            help="Ranks whose FSDP2 shards the files hold [default: the source's].", min=1
+        ),
+    ] = None,
+    layout: Annotated[
+        str,
+        typer.Option(
+            help="Optimizer dict: 'flat' (flatten_optimizer_state_dict=True) or 'nested'."
+        ),
+    ] = "flat",
+    overwrite: Overwrite = False,
+    dry_run: DryRun = False,
+    quiet: Quiet = False,
+) -> None:
+    """A PyTorch Distributed Checkpoint that stock dcp.load reads at any world size."""
+    if layout not in ("flat", "nested"):
+        raise typer.BadParameter("must be 'flat' or 'nested'", param_hint="--layout")
+    _run(
+        "exporting DCP",
+        quiet,
+        dry_run,
+        lambda hooks: _exporters().export_dcp(
+            store,
+            out,
+            world_size=world_size,
+            layout="nested" if layout == "nested" else "flat",
+            overwrite=overwrite,
+            dry_run=dry_run,
+            hooks=hooks,
+        ),
+    )
+
+
 export_app.command("safetensors")(safetensors_command)
 export_app.command("deepspeed-universal")(universal_command)
 export_app.command("deepspeed")(deepspeed_command)
+export_app.command("dcp")(dcp_command)

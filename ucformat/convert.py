@@ -1,4 +1,5 @@
-"""``ucformat.convert``: a DeepSpeed ZeRO checkpoint in, a committed ucformat store out."""
+"""``ucformat.convert``: a DeepSpeed ZeRO checkpoint or a PyTorch DCP folder in, a committed
+ucformat store out."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from ucformat.errors import StoreExistsError
 from ucformat.layout.chunking import ChunkPolicy
 from ucformat.models import CheckpointManifest
 from ucformat.plan import ConvertOptions, ConvertPlan, plan_convert
-from ucformat.sources.deepspeed.checkpoint import read_deepspeed_checkpoint
+from ucformat.sources.detect import read_source
 from ucformat.sources.safe_unpickle import PicklePolicy
 from ucformat.spec import FORMAT_NAME, FORMAT_VERSION, MANIFEST_KEY
 from ucformat.store.arrays import create_root_group
@@ -58,10 +59,18 @@ def plan_from_source(
     shard_bytes: int | None = None,
     compressor: str = "none",
     opaque_globals: Iterable[str] = (),
+    model_key: str | None = None,
+    optimizer_key: str | None = None,
 ) -> ConvertPlan:
     """Read ``src``'s metadata and plan its conversion, without writing anything."""
-    policy = _pickle_policy(opaque_globals)
-    with read_deepspeed_checkpoint(local_source(src), tag, policy) as source:
+    with read_source(
+        local_source(src),
+        tag=tag,
+        policy=_pickle_policy(opaque_globals),
+        model_key=model_key,
+        optimizer_key=optimizer_key,
+        check_crc=False,  # a dry run reads no tensor bytes
+    ) as source:
         return plan_convert(source, _options(chunk_bytes, shard_bytes, compressor))
 
 
@@ -80,11 +89,15 @@ def convert(
     hooks: ConvertHooks | None = None,
     check_source: bool = True,
     fsync: bool = True,
+    model_key: str | None = None,
+    optimizer_key: str | None = None,
 ) -> CheckpointManifest:
-    """Convert a DeepSpeed ZeRO checkpoint into a ucformat store.
+    """Convert a DeepSpeed ZeRO checkpoint or a PyTorch Distributed Checkpoint into a store.
 
     Args:
-        src: the checkpoint's tag folder, or the run folder holding ``latest``.
+        src: the DeepSpeed checkpoint's tag folder, or the run folder holding ``latest``; or a
+            folder written by ``torch.distributed.checkpoint.save`` (it has ``.metadata``),
+            detected automatically.
         dst: a local path, an fsspec URL, or a zarr ``Store``.
         tag: the tag to convert when ``src`` is a run folder (default: ``latest``).
         overwrite: replace an existing ucformat store at ``dst``.
@@ -100,6 +113,9 @@ def convert(
             error, not a converted value); ``dry_run`` reads no tensor bytes, so checks none.
         fsync: on a local store, make every shard, directory and the manifest durable around
             the commit (docs/format.md §6); off only for benchmarks and scratch stores.
+        model_key: DCP only: prefix of the model weights (default ``model``, else torchtitan's
+            top-level keys; ``.`` names the top level).
+        optimizer_key: DCP only: prefix of the optimizer state (default ``optimizer``/``optim``).
 
     Returns:
         The committed manifest (for ``dry_run``, the manifest that would be written).
@@ -111,9 +127,13 @@ def convert(
         >>> manifest = ucformat.convert("runs/gpt/global_step800", "ckpt.ucf")  # doctest: +SKIP
     """
     hooks = hooks or ConvertHooks()
-    policy = _pickle_policy(opaque_globals)
-    with read_deepspeed_checkpoint(
-        local_source(src), tag, policy, check_crc=check_source
+    with read_source(
+        local_source(src),
+        tag=tag,
+        policy=_pickle_policy(opaque_globals),
+        model_key=model_key,
+        optimizer_key=optimizer_key,
+        check_crc=check_source,
     ) as source:
         plan = plan_convert(source, _options(chunk_bytes, shard_bytes, compressor))
         if hooks.on_plan is not None:

@@ -75,7 +75,7 @@ def convert_distributed(
     from ucformat.dtypes import itemsize
     from ucformat.layout.ownership import writers_by_balance
     from ucformat.plan import plan_convert
-    from ucformat.sources.deepspeed.checkpoint import read_deepspeed_checkpoint
+    from ucformat.sources.detect import read_source
     from ucformat.store.keys import open_store
     from ucformat.store.locations import local_source
 
@@ -90,9 +90,7 @@ def convert_distributed(
         failure: Exception | None = None
         source = plan = target = None
         try:
-            source = read_deepspeed_checkpoint(
-                local_source(src), tag, _pickle_policy(opaque_globals)
-            )
+            source = read_source(local_source(src), tag=tag, policy=_pickle_policy(opaque_globals))
             plan = plan_convert(source, convert_options(chunk_bytes, shard_bytes, compressor))
             target = open_store(dst, read_only=False)
         except Exception as exc:  # every process must learn of it

@@ -55,7 +55,7 @@ def summarize(manifest: CheckpointManifest) -> StoreSummary:
         f"world size {source.world_size}, {source.train_dtype}, {source.optimizer_wrapper}"
         if source.framework == "deepspeed"
         else source.describe(),
-        "source path": f"{source.path} (tag {source.tag})",
+        "source path": f"{source.path} (tag {source.tag})" if source.tag else source.path,
         "optimizer": "none"
         if optimizer is None
         else f"{optimizer.name}, states {', '.join(optimizer.state_keys) or '-'}; "

@@ -4,7 +4,9 @@
 * :func:`export_deepspeed_universal`: DeepSpeed's universal checkpoint folder
   (``load_universal``), loadable at any world size;
 * :func:`export_deepspeed`: a native ZeRO-1/2/3 checkpoint for a new world size and stage that
-  a stock ``engine.load_checkpoint`` loads.
+  a stock ``engine.load_checkpoint`` loads;
+* :func:`export_dcp`: a PyTorch Distributed Checkpoint that stock ``dcp.load`` reads into an
+  FSDP2 model at any world size.
 
 Each target module plans from the manifest alone (so ``dry_run`` reads no tensor), then streams
 the arrays it needs through :class:`~ucformat.reader.UniversalCheckpoint`. DeepSpeed is
@@ -14,6 +16,7 @@ imported only when a DeepSpeed export actually writes files.
 from __future__ import annotations
 
 from ucformat.export._common import ExportHooks, ExportResult
+from ucformat.export.dcp import export_dcp, plan_dcp
 from ucformat.export.deepspeed_native import export_deepspeed, plan_deepspeed
 from ucformat.export.deepspeed_universal import (
     export_deepspeed_universal,
@@ -24,9 +27,11 @@ from ucformat.export.safetensors import export_safetensors, plan_safetensors
 __all__ = [
     "ExportHooks",
     "ExportResult",
+    "export_dcp",
     "export_deepspeed",
     "export_deepspeed_universal",
     "export_safetensors",
+    "plan_dcp",
     "plan_deepspeed",
     "plan_deepspeed_universal",
     "plan_safetensors",

@@ -79,7 +79,7 @@ class ExportResult:
     """What an export wrote (or, for a dry run, would write).
 
     Attributes:
-        target: ``"safetensors"``, ``"deepspeed-universal"`` or ``"deepspeed"``.
+        target: ``"safetensors"``, ``"deepspeed-universal"``, ``"deepspeed"`` or ``"dcp"``.
         out: the destination folder.
         files: paths relative to ``out``, in writing order.
         nbytes: tensor payload bytes.

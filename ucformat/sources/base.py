@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -115,6 +115,9 @@ class SourceCheckpoint:
     progress: TrainingProgress
     client_state: ClientState
     files: list[TorchFile] = field(default_factory=list, repr=False)
+    #: Called by :meth:`close` after the files: releases what a reader shares between them
+    #: (the DCP reader's one descriptor per data file).
+    closers: list[Callable[[], None]] = field(default_factory=list, repr=False)
 
     def check_integrity(self) -> int:
         """Check every storage member read so far against its file's zip CRC-32.
@@ -130,6 +133,9 @@ class SourceCheckpoint:
         """Close every open source file."""
         for handle in self.files:
             handle.close()
+        for closer in self.closers:
+            closer()
+        self.closers.clear()
 
     def __enter__(self) -> SourceCheckpoint:
         return self

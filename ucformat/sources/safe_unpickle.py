@@ -17,7 +17,11 @@ the global. Nothing from the file is imported or called. The table has three kin
   name and arguments and do nothing else. They surface in the manifest as unrepresentable
   client state, listed by key and type.
 
-docs/format.md (security) lists the table and why each entry is there.
+A PyTorch Distributed Checkpoint's ``.metadata`` is decoded by :func:`load_dcp_metadata_pickle`
+with a table of its own: DCP's metadata dataclasses as stand-ins and a few inert values, nothing
+else (no tensors, no placeholders).
+
+docs/format.md (security) lists the tables and why each entry is there.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import collections
 import importlib
 import io
 import pickle
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -35,10 +40,13 @@ from ucformat.dtypes import itemsize
 from ucformat.errors import TruncatedFileError, UnsafePickleError
 
 __all__ = [
+    "DCP_METADATA_CLASSES",
+    "DtypeName",
     "OpaqueObject",
     "PicklePolicy",
     "StandIn",
     "StorageRef",
+    "load_dcp_metadata_pickle",
     "load_pickle",
 ]
 
@@ -163,6 +171,42 @@ _DEEPSPEED_STAND_INS: dict[str, type[StandIn]] = {
 }
 
 
+#: The classes a PyTorch Distributed Checkpoint ``.metadata`` pickle is made of (torch 2.x).
+DCP_METADATA_CLASSES: tuple[str, ...] = (
+    "torch.distributed.checkpoint.metadata.Metadata",
+    "torch.distributed.checkpoint.metadata.TensorStorageMetadata",
+    "torch.distributed.checkpoint.metadata.ChunkStorageMetadata",
+    "torch.distributed.checkpoint.metadata.TensorProperties",
+    "torch.distributed.checkpoint.metadata.BytesStorageMetadata",
+    "torch.distributed.checkpoint.metadata.MetadataIndex",
+    "torch.distributed.checkpoint.metadata.StorageMeta",
+    "torch.distributed.checkpoint.filesystem._StorageInfo",
+)
+
+_DCP_STAND_INS: dict[str, type[StandIn]] = {name: _stand_in(name) for name in DCP_METADATA_CLASSES}
+
+
+def _mem_format(value: Any) -> int:
+    """``_MEM_FORMAT_ENCODING(n)`` (an Enum call) is just its number."""
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise UnsafePickleError(f"_MEM_FORMAT_ENCODING called with {type(value).__name__}")
+    return value
+
+
+def _layout_name(name: Any) -> str:
+    """``torch.serialization._get_layout("torch.strided")``: keep the layout's name."""
+    if not isinstance(name, str):
+        raise UnsafePickleError(f"_get_layout called with {type(name).__name__}")
+    return name
+
+
+def _path_text(*parts: Any) -> str:
+    """A pickled ``pathlib`` path, as text (never touched as a path)."""
+    if not all(isinstance(part, str) for part in parts):
+        raise UnsafePickleError("a pickled path has non-text parts")
+    return "/".join(parts)
+
+
 def _zero_stage(value: Any) -> int:
     """``ZeroStageEnum(n)`` is just the stage number."""
     return int(value)
@@ -241,7 +285,78 @@ def load_pickle(
         "deepspeed.runtime.zero.config.ZeroStageEnum": _zero_stage,
         **_DEEPSPEED_STAND_INS,
     }
+
+    def persistent_load(pid: Any) -> StorageRef:
+        if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
+            raise UnsafePickleError(f"{source}: unknown persistent id {pid!r:.80}.")
+        _, storage_type, key, _location, numel = pid
+        if not isinstance(storage_type, _StorageType):
+            raise UnsafePickleError(f"{source}: unknown storage type {storage_type!r:.80}.")
+        return StorageRef(str(key), storage_type.dtype_name, int(numel))
+
+    return _restricted_load(payload, source, table, policy, persistent_load, torch_file=True)
+
+
+def load_dcp_metadata_pickle(payload: bytes, *, source: str) -> Any:
+    """Decode a PyTorch Distributed Checkpoint ``.metadata`` pickle under its own allow-list.
+
+    Admitted: the DCP metadata dataclasses of :data:`DCP_METADATA_CLASSES` (as attribute-holding
+    :class:`StandIn` objects), ``_MEM_FORMAT_ENCODING`` (an int), ``torch.serialization.
+    _get_layout`` (the layout's name), ``torch.Size`` (a tuple), torch dtypes (as
+    :class:`DtypeName`: torch is not imported), ``pathlib``
+    paths (text) and ``collections.OrderedDict``. No tensor, no persistent id, no placeholder:
+    any other global is refused with :class:`~ucformat.errors.UnsafePickleError`.
+    """
+    table: dict[str, Any] = {
+        **_DCP_STAND_INS,
+        "torch.distributed.checkpoint.metadata._MEM_FORMAT_ENCODING": _mem_format,
+        "torch.serialization._get_layout": _layout_name,
+        "torch.Size": _torch_size,
+        "collections.OrderedDict": collections.OrderedDict,
+        "pathlib.PosixPath": _path_text,
+        "pathlib.PurePosixPath": _path_text,
+        "pathlib.WindowsPath": _path_text,
+        "pathlib.PureWindowsPath": _path_text,
+    }
+
+    def persistent_load(pid: Any) -> Any:
+        raise UnsafePickleError(f"{source}: unexpected persistent id {pid!r:.80}.")
+
+    return _restricted_load(
+        payload, source, table, PicklePolicy(), persistent_load, torch_file=False
+    )
+
+
+#: torch dtype attribute names (and aliases) -> the manifest's dtype name, for ``.metadata``.
+_DTYPE_ATTRIBUTES: dict[str, str] = {
+    "float64": "float64", "double": "float64", "float32": "float32", "float": "float32",
+    "float16": "float16", "half": "float16", "bfloat16": "bfloat16", "int64": "int64",
+    "long": "int64", "int32": "int32", "int": "int32", "int16": "int16", "short": "int16",
+    "int8": "int8", "uint8": "uint8", "bool": "bool",
+}  # fmt: skip
+
+
+_DTYPE_LIKE = re.compile(r"^(float|bfloat|int|uint|complex|qint|quint)[0-9a-z_]*$")
+
+
+class DtypeName(str):
+    """A pickled torch dtype, by name only (``.metadata`` is read without importing torch)."""
+
+    __slots__ = ()
+
+
+def _restricted_load(
+    payload: bytes,
+    source: str,
+    table: dict[str, Any],
+    policy: PicklePolicy,
+    persistent_load: Callable[[Any], Any],
+    *,
+    torch_file: bool,
+) -> Any:
+    """Unpickle ``payload`` resolving globals through ``table`` (+ torch dtypes, placeholders)."""
     opaque_classes: dict[str, type[StandIn]] = {}
+    admit_opaque = torch_file  # the .metadata reader admits no placeholders at all
 
     class _Unpickler(pickle.Unpickler):
         def find_class(self, module: str, name: str) -> Any:
@@ -249,14 +364,17 @@ def load_pickle(
             qualname = f"{module}.{name}"
             if qualname in table:
                 return table[qualname]
-            if module == "torch":
+            if module == "torch" and not torch_file:
+                if name in _DTYPE_ATTRIBUTES or _DTYPE_LIKE.match(name):  # a name, nothing more
+                    return DtypeName(_DTYPE_ATTRIBUTES.get(name, name))
+            elif module == "torch":
                 if name in _STORAGE_DTYPES:
                     return _StorageType(_STORAGE_DTYPES[name])
                 torch = importlib.import_module("torch")  # a pickled dtype: rare, so lazy
                 attribute = getattr(torch, name, None)
                 if isinstance(attribute, torch.dtype):
                     return attribute
-            if (
+            if admit_opaque and (
                 qualname in DEFAULT_OPAQUE_GLOBALS
                 or qualname in policy.opaque_globals
                 or policy.all_unknown_opaque
@@ -264,20 +382,19 @@ def load_pickle(
                 if qualname not in opaque_classes:
                     opaque_classes[qualname] = _stand_in(qualname, OpaqueObject)
                 return opaque_classes[qualname]
+            advice = (
+                " If this is trusted client state, pass --opaque-global "
+                f"{qualname} to keep it as an inert placeholder."
+                if torch_file
+                else ""
+            )
             raise UnsafePickleError(
                 f"{source}: refusing to load: the pickle references the global '{qualname}', "
-                "which is not on ucformat's allow-list (nothing was executed). If this is "
-                "trusted client state, pass --opaque-global "
-                f"{qualname} to keep it as an inert placeholder."
+                f"which is not on ucformat's allow-list (nothing was executed).{advice}"
             )
 
-        def persistent_load(self, pid: Any) -> StorageRef:
-            if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
-                raise UnsafePickleError(f"{source}: unknown persistent id {pid!r:.80}.")
-            _, storage_type, key, _location, numel = pid
-            if not isinstance(storage_type, _StorageType):
-                raise UnsafePickleError(f"{source}: unknown storage type {storage_type!r:.80}.")
-            return StorageRef(str(key), storage_type.dtype_name, int(numel))
+        def persistent_load(self, pid: Any) -> Any:
+            return persistent_load(pid)
 
     try:
         return _Unpickler(io.BytesIO(payload)).load()

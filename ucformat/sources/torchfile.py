@@ -14,10 +14,14 @@ Integrity: ``data.pkl`` is read whole and checked against its zip CRC-32 by :mod
 Storage bytes are checksummed as they are read (:class:`~ucformat.sources.zipcrc.MemberCrc`),
 and :meth:`TorchFile.check_integrity` compares every storage member read with the CRC-32 the
 archive recorded, so a bit flip in a shard file is an error, never a silently converted value.
+:func:`open_embedded_torch_file` opens an archive that sits at a byte range of a larger file
+(PyTorch Distributed Checkpoint ``.distcp`` files are ``torch.save`` archives back to back),
+through a file descriptor the caller owns.
 """
 
 from __future__ import annotations
 
+import io
 import math
 import os
 import struct
@@ -38,7 +42,7 @@ from ucformat.store.direct.fileio import preadv_all
 if TYPE_CHECKING:  # reading a checkpoint needs no torch; only materialising a tensor does
     import torch
 
-__all__ = ["TensorRef", "TorchFile", "open_torch_file"]
+__all__ = ["TensorRef", "TorchFile", "open_embedded_torch_file", "open_torch_file"]
 
 _LOCAL_HEADER = struct.Struct("<4sHHHHHIIIHH")
 _LOCAL_HEADER_MAGIC = b"PK\x03\x04"
@@ -57,6 +61,10 @@ class TorchFile:
     _data_offsets: dict[str, tuple[int, int]] = field(default_factory=dict, repr=False)
     #: Storage key -> CRC of the pieces read so far; None: checksums are not computed.
     _crcs: dict[str, MemberCrc] | None = field(default_factory=dict, repr=False)
+    #: Where the archive starts in the file (0 unless embedded), and whether ``close`` closes
+    #: the descriptor (an embedded archive shares its caller's).
+    _base: int = field(default=0, repr=False)
+    _owns_fd: bool = field(default=True, repr=False)
 
     def storage_span(self, key: str) -> tuple[int, int]:
         """``(file offset, byte length)`` of storage ``key``'s bytes."""
@@ -73,7 +81,7 @@ class TorchFile:
             raise UnsupportedCheckpointError(
                 f"{self.path}: storage '{key}' is compressed; torch.save never does that."
             )
-        header = os.pread(self._fd, _LOCAL_HEADER.size, info.header_offset)
+        header = os.pread(self._fd, _LOCAL_HEADER.size, self._base + info.header_offset)
         fields = _LOCAL_HEADER.unpack(header) if len(header) == _LOCAL_HEADER.size else None
         if fields is None or fields[0] != _LOCAL_HEADER_MAGIC:
             raise TruncatedFileError(f"{self.path}: damaged zip entry for storage '{key}'.")
@@ -107,7 +115,7 @@ class TorchFile:
                 f"{self.path}: read of bytes [{start}, {start + total}) of storage '{key}' "
                 f"overruns its {length} bytes."
             )
-        if preadv_all(self._fd, views, offset + start) != total:
+        if preadv_all(self._fd, views, self._base + offset + start) != total:
             raise TruncatedFileError(f"{self.path}: unexpected end of file.")
         if self._crcs is not None:
             self._crcs[key].add(start, views)
@@ -147,7 +155,8 @@ class TorchFile:
     def close(self) -> None:
         """Release the file descriptor."""
         if self._fd >= 0:
-            os.close(self._fd)
+            if self._owns_fd:
+                os.close(self._fd)
             self._fd = -1
 
     def __enter__(self) -> TorchFile:
@@ -279,13 +288,85 @@ def open_torch_file(
         UnsafePickleError: the pickle references a global outside the allow-list.
     """
     size = path.stat().st_size
+    fd = os.open(path, os.O_RDONLY)
     try:
-        with zipfile.ZipFile(path) as archive:
+        return _open_archive(
+            fd, path, 0, size, policy, owns_fd=True, what=str(path), check_crc=check_crc
+        )
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def open_embedded_torch_file(
+    fd: int, path: Path, offset: int, length: int, policy: PicklePolicy | None = None
+) -> TorchFile:
+    """Open the ``torch.save`` archive at bytes ``[offset, offset + length)`` of ``fd``.
+
+    ``fd`` (open on ``path``) stays the caller's: closing the returned file does not close it.
+
+    Raises:
+        TruncatedFileError: the range lies past the end of the file, or holds no complete
+            ``torch.save`` archive.
+        UnsafePickleError: the pickle references a global outside the allow-list.
+    """
+    size = os.fstat(fd).st_size
+    what = f"{path} (bytes {offset}-{offset + length})"
+    if offset < 0 or length < 0 or offset + length > size:
+        raise TruncatedFileError(
+            f"{what}: the item ends at byte {offset + length} but the file has only {size} "
+            "bytes; the file is truncated."
+        )
+    return _open_archive(fd, path, offset, length, policy, owns_fd=False, what=what)
+
+
+class _Window(io.RawIOBase):
+    """Bytes ``[base, base + size)`` of a file descriptor as a seekable read-only file."""
+
+    def __init__(self, fd: int, base: int, size: int) -> None:
+        self._fd, self._base, self._size, self._pos = fd, base, size, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        origin = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._size}[whence]
+        self._pos = max(0, origin + offset)
+        return self._pos
+
+    def readinto(self, buffer: Any) -> int:
+        view = memoryview(buffer).cast("B")
+        count = max(0, min(len(view), self._size - self._pos))
+        data = os.pread(self._fd, count, self._base + self._pos) if count else b""
+        view[: len(data)] = data
+        self._pos += len(data)
+        return len(data)
+
+
+def _open_archive(
+    fd: int,
+    path: Path,
+    base: int,
+    size: int,
+    policy: PicklePolicy | None,
+    *,
+    owns_fd: bool,
+    what: str,
+    check_crc: bool = False,
+) -> TorchFile:
+    try:
+        with zipfile.ZipFile(io.BufferedReader(_Window(fd, base, size))) as archive:
             members = {info.filename: info for info in archive.infolist()}
             pickles = [name for name in members if name.endswith("/data.pkl")]
             if len(pickles) != 1:
                 raise TruncatedFileError(
-                    f"{path}: expected one '<name>/data.pkl' entry in a torch.save archive, "
+                    f"{what}: expected one '<name>/data.pkl' entry in a torch.save archive, "
                     f"found {len(pickles)}; this is not a torch checkpoint file."
                 )
             prefix = pickles[0][: -len("data.pkl")]
@@ -298,10 +379,9 @@ def open_torch_file(
                 "a good copy."
             ) from None
         raise TruncatedFileError(
-            f"{path}: not a complete zip archive ({exc}); the file is truncated, damaged, or "
+            f"{what}: not a complete zip archive ({exc}); the file is truncated, damaged, or "
             "not written by torch.save."
         ) from None
-    fd = os.open(path, os.O_RDONLY)
     handle = TorchFile(
         path=path,
         size=size,
@@ -310,18 +390,21 @@ def open_torch_file(
         _members=members,
         _prefix=prefix,
         _crcs={} if check_crc else None,
+        _base=base,
+        _owns_fd=owns_fd,
     )
     try:
         handle.obj = load_pickle(
             payload,
-            source=str(path),
+            source=what,
             policy=policy or PicklePolicy(),
             make_tensor=lambda storage, offset, shape, stride: TensorRef(
                 handle, storage, offset, shape, stride
             ),
         )
     except BaseException:
-        handle.close()
+        if owns_fd:
+            handle.close()
         raise
     return handle
 

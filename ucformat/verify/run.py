@@ -158,8 +158,9 @@ def verify(
 
     Args:
         store: a local path, an fsspec URL, or a zarr ``Store``.
-        against: the DeepSpeed checkpoint the store was converted from (tag folder, or run folder
-            holding the store's tag); each array is compared with it bit for bit.
+        against: the checkpoint the store was converted from (DeepSpeed tag folder, or run folder
+            holding the store's tag; or a DCP folder read with the default key layout); each
+            array is compared with it bit for bit.
         opaque_globals: pickle globals the convert needed ``--opaque-global`` for.
         check_source: with ``against``, compare every source tensor storage read with its
             file's zip CRC-32; a damaged source file is an error (it cannot be the reference).

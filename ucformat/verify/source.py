@@ -1,6 +1,6 @@
 """``verify --against SRC``: the source checkpoint re-planned in the layout of the store.
 
-The source is read with the converter's own reader (:func:`read_deepspeed_checkpoint`) and
+The source is read with the converter's own reader (:func:`read_source`: DeepSpeed or DCP) and
 planned with :func:`plan_convert`, but with every array's chunk and shard shapes taken from the
 store's manifest. The plan's manifest is then what the store's manifest must say, and each of its
 :class:`~ucformat.plan.WriteUnit` is exactly one shard of the store: the source fragments that
@@ -20,7 +20,7 @@ from ucformat.layout.chunking import Chunking
 from ucformat.models import ArrayRef, CheckpointManifest
 from ucformat.plan import ConvertOptions, ConvertPlan, WriteUnit, plan_convert
 from ucformat.sources.base import SourceCheckpoint
-from ucformat.sources.deepspeed.checkpoint import read_deepspeed_checkpoint
+from ucformat.sources.detect import read_source
 from ucformat.sources.safe_unpickle import PicklePolicy
 from ucformat.verify.checks import ManifestArray
 from ucformat.writer import fill_unit
@@ -84,8 +84,10 @@ def replan_source(
     )
     names = frozenset(opaque_globals)
     policy = PicklePolicy(opaque_globals=names - {"*"}, all_unknown_opaque="*" in names)
-    tag = manifest.source.tag if (src / manifest.source.tag).is_dir() else None
-    with read_deepspeed_checkpoint(src, tag, policy, check_crc=check_crc) as source:
+    stored = manifest.source.tag
+    deepspeed_tag = manifest.source.framework == "deepspeed" and stored and (src / stored).is_dir()
+    tag = stored if deepspeed_tag else None
+    with read_source(src, tag=tag, policy=policy, check_crc=check_crc) as source:
         plan = plan_convert(source, options)
         units: dict[str, dict[int, WriteUnit]] = {ref.path: {} for ref in plan.arrays}
         for unit in plan.units:
