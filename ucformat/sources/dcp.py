@@ -339,7 +339,9 @@ def _is_buffer(name: str, dtype: str) -> bool:
 
 
 def _optimizer_info(params: dict[str, SourceParam], groups: list[OptimizerGroup]) -> OptimizerInfo:
-    state_keys = sorted({k for p in params.values() for k in p.arrays if k not in (FP32_STATE, VALUE_STATE)})
+    state_keys = sorted(
+        {k for p in params.values() for k in p.arrays if k not in (FP32_STATE, VALUE_STATE)}
+    )
     scalar_keys = sorted({k for p in params.values() for k in p.scalars})
     first = groups[0].hyperparams if groups else {}
     name, adam_w = "unknown", None
