@@ -393,19 +393,15 @@ def _open_archive(
         _base=base,
         _owns_fd=owns_fd,
     )
-    try:
-        handle.obj = load_pickle(
-            payload,
-            source=what,
-            policy=policy or PicklePolicy(),
-            make_tensor=lambda storage, offset, shape, stride: TensorRef(
-                handle, storage, offset, shape, stride
-            ),
-        )
-    except BaseException:
-        if owns_fd:
-            handle.close()
-        raise
+    # A refused pickle raises here; the caller owns (and closes) the descriptor either way.
+    handle.obj = load_pickle(
+        payload,
+        source=what,
+        policy=policy or PicklePolicy(),
+        make_tensor=lambda storage, offset, shape, stride: TensorRef(
+            handle, storage, offset, shape, stride
+        ),
+    )
     return handle
 
 
