@@ -42,7 +42,8 @@ from ucformat.writer import DEFAULT_WORKERS, create_arrays, write_units
 
 if TYPE_CHECKING:
     import torch
-    from zarr.abc.store import Store
+
+    from ucformat.store.keys import Store
 
 __all__ = [
     "DEFAULT_EXCHANGE_BUDGET",

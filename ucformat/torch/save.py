@@ -28,18 +28,14 @@ from __future__ import annotations
 
 import bisect
 import math
-import shutil
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
-import zarr
-from zarr.abc.store import Store
-from zarr.storage import LocalStore
 
-from ucformat.convert import _prepare_destination
+from ucformat.convert import discard_store, start_store
 from ucformat.dtypes import dtype_name, itemsize, numpy_storage_dtype, torch_to_storage
 from ucformat.errors import SaveAbortedError, StoreExistsError, UCFormatError
 from ucformat.layout.chunking import Chunking, ChunkPolicy
@@ -62,16 +58,13 @@ from ucformat.sources.base import (
     scalar_state,
 )
 from ucformat.spec import (
-    FORMAT_NAME,
-    FORMAT_VERSION,
     FP32_STATE,
-    MANIFEST_KEY,
     VALUE_STATE,
     buffer_array_path,
     state_array_path,
 )
 from ucformat.store.arrays import array_from_manifest, create_arrays
-from ucformat.store.keys import StoreLike, open_store
+from ucformat.store.keys import Store, StoreLike, open_store
 from ucformat.store.manifest_io import commit_manifest
 from ucformat.torch.dtensor import (
     LocalShard,
@@ -84,8 +77,6 @@ from ucformat.torch.dtensor import (
 from ucformat.writer import DEFAULT_WORKERS, write_units
 
 __all__ = ["save"]
-
-_ROOT_ATTRIBUTES = {"format_version": FORMAT_VERSION, "manifest": MANIFEST_KEY}
 
 
 class LiveTensor:
@@ -402,14 +393,10 @@ def save(
     if _rank() == 0:  # 4: the store's metadata, by one rank
         try:
             zstore = open_store(store, read_only=False)
-            try:
-                created = _prepare_destination(zstore, overwrite)
+            try:  # the destination emptied, the root group written (uncommitted)
+                created = start_store(zstore, overwrite)
             except StoreExistsError as exc:  # the API's option, not the CLI's
                 raise StoreExistsError(str(exc).replace("--overwrite", "overwrite=True")) from None
-            zarr.create_group(
-                zstore, overwrite=True, zarr_format=3,
-                attributes={FORMAT_NAME: _ROOT_ATTRIBUTES},
-            )  # fmt: skip
             create_arrays(zstore, plan.arrays)
         except (UCFormatError, OSError) as exc:
             failure = exc
@@ -435,8 +422,8 @@ def save(
                 failure = exc
         _agree(failure, where)
     except BaseException:
-        if _rank() == 0 and created and isinstance(zstore, LocalStore):
-            shutil.rmtree(zstore.root, ignore_errors=True)
+        if _rank() == 0 and zstore is not None:
+            discard_store(zstore, created)
         raise
     return committed
 
