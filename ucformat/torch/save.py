@@ -451,7 +451,9 @@ def _plan(
     if optimizer is not None:
         names = {id(p): n for n, p in model.named_parameters()}
         name, adam_w = _optimizer_name(optimizer)
-        state_keys = sorted({k for p in params.values() for k in p.arrays if k != FP32_STATE})
+        state_keys = sorted(
+            {k for p in params.values() if p.group is not None for k in p.arrays if k != FP32_STATE}
+        )
         scalar_keys = sorted({k for p in params.values() for k in p.scalars})
         info = OptimizerInfo(
             name=name, adam_w_mode=adam_w, state_keys=state_keys, scalar_keys=scalar_keys,
