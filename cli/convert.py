@@ -15,12 +15,12 @@ from rich.progress import (
     TransferSpeedColumn,
 )
 
-from ucformat.summary import format_bytes
+from ucformat.format.summary import format_bytes
 
 from ._errors import user_errors
 
 if TYPE_CHECKING:
-    from ucformat.plan import ConvertPlan
+    from ucformat.write.plan import ConvertPlan
 
 _KIB = 1024
 
@@ -88,9 +88,9 @@ def convert_command(
     Launched by torchrun (WORLD_SIZE > 1), every process writes a share of the shards and rank 0
     commits: torchrun [--nnodes K] --nproc_per_node N -m ucformat_cli convert SRC DST.
     """
-    from ucformat.convert import ConvertHooks, convert
-    from ucformat.convert_distributed import launched_distributed
-    from ucformat.writer import DEFAULT_WORKERS
+    from ucformat.write.convert import ConvertHooks, convert
+    from ucformat.write.distributed_convert import launched_distributed
+    from ucformat.write.execute import DEFAULT_WORKERS
 
     if launched_distributed() and not dry_run:
         _convert_distributed(
@@ -167,8 +167,8 @@ def _convert_distributed(
     opaque_global: list[str] | None,
 ) -> None:
     """One process of ``torchrun -m ucformat_cli convert``: rank 0 prints the summary."""
-    from ucformat.convert_distributed import convert_distributed
-    from ucformat.writer import DEFAULT_WORKERS
+    from ucformat.write.distributed_convert import convert_distributed
+    from ucformat.write.execute import DEFAULT_WORKERS
 
     started = time.perf_counter()
     report = convert_distributed(

@@ -10,8 +10,8 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
+from ucformat.format.summary import format_bytes, summarize
 from ucformat.store.manifest_io import load_manifest
-from ucformat.summary import format_bytes, summarize
 
 from ._errors import user_errors
 from ._table import render_table

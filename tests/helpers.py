@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ucformat.models import (
+from ucformat.format.models import (
     ArrayRef,
     CheckpointManifest,
     OptimizerGroup,

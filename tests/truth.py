@@ -7,9 +7,9 @@ from typing import Any
 
 import torch
 
-from ucformat.dtypes import dtype_name
-from ucformat.pyvalue import decode
-from ucformat.reader import UniversalCheckpoint
+from ucformat.format.dtypes import dtype_name
+from ucformat.format.pyvalue import decode
+from ucformat.read.checkpoint import UniversalCheckpoint
 
 _DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 

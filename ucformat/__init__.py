@@ -21,23 +21,23 @@ from typing import TYPE_CHECKING
 from ucformat._version import __version__
 
 if TYPE_CHECKING:
-    from ucformat.convert import convert
     from ucformat.errors import UCFormatError
-    from ucformat.models import CheckpointManifest
-    from ucformat.reader import UniversalCheckpoint
-    from ucformat.reader import open_checkpoint as open
+    from ucformat.format.models import CheckpointManifest
+    from ucformat.read.checkpoint import UniversalCheckpoint
+    from ucformat.read.checkpoint import open_checkpoint as open
     from ucformat.verify import VerifyReport, verify
+    from ucformat.write.convert import convert
 
 #: The public names, each imported from its module on first access, so that ``import ucformat``
 #: costs nothing until something is used: ``ucformat inspect`` imports neither torch nor zarr,
 #: and nothing here ever imports DeepSpeed.
 _LAZY_ATTRIBUTES: dict[str, tuple[str, str]] = {
-    "CheckpointManifest": ("ucformat.models", "CheckpointManifest"),
+    "CheckpointManifest": ("ucformat.format.models", "CheckpointManifest"),
     "UCFormatError": ("ucformat.errors", "UCFormatError"),
-    "UniversalCheckpoint": ("ucformat.reader", "UniversalCheckpoint"),
+    "UniversalCheckpoint": ("ucformat.read.checkpoint", "UniversalCheckpoint"),
     "VerifyReport": ("ucformat.verify", "VerifyReport"),
-    "convert": ("ucformat.convert", "convert"),
-    "open": ("ucformat.reader", "open_checkpoint"),
+    "convert": ("ucformat.write.convert", "convert"),
+    "open": ("ucformat.read.checkpoint", "open_checkpoint"),
     "verify": ("ucformat.verify", "verify"),
 }
 
@@ -63,7 +63,7 @@ def __dir__() -> list[str]:
 class _Package(types.ModuleType):
     """``ucformat.convert`` and ``ucformat.verify`` are the functions, as the API promises.
 
-    Importing the submodule of the same name (``from ucformat.convert import ConvertHooks``)
+    Importing the submodule of the same name (``from ucformat.write.convert import ConvertHooks``)
     makes Python set the package attribute to the submodule; that assignment is dropped here,
     so the lazy :func:`__getattr__` keeps answering with the function.
     """

@@ -18,7 +18,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from ucformat.convert_distributed import convert_distributed
+from ucformat.write.distributed_convert import convert_distributed
 
 
 def main() -> int:

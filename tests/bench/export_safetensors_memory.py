@@ -34,9 +34,9 @@ def build_store(path: Path, params: int, numel: int) -> None:
     import zarr
 
     from tests.helpers import source_info
+    from ucformat.format.models import ArrayRef, CheckpointManifest, ParamEntry
+    from ucformat.format.spec import FORMAT_NAME, FORMAT_VERSION, MANIFEST_KEY, state_array_path
     from ucformat.layout.chunking import ChunkPolicy, choose_chunking
-    from ucformat.models import ArrayRef, CheckpointManifest, ParamEntry
-    from ucformat.spec import FORMAT_NAME, FORMAT_VERSION, MANIFEST_KEY, state_array_path
     from ucformat.store.arrays import create_array
     from ucformat.store.keys import open_store
     from ucformat.store.manifest_io import commit_manifest

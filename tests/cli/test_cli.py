@@ -29,7 +29,7 @@ from tests.hostile import (
     attacks,
     replace_data_pkl,
 )
-from ucformat.schema import SCHEMA_PATH
+from ucformat.format.schema import SCHEMA_PATH
 from ucformat.store.manifest_io import load_manifest
 
 DATA = Path(__file__).resolve().parents[1] / "fixtures" / "data"

@@ -34,8 +34,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from ucformat.convert import convert
-from ucformat.dtypes import dtype_name
+from ucformat.format.dtypes import dtype_name
+from ucformat.write.convert import convert
 
 HERE = Path(__file__).parent
 GOLDEN = HERE / "golden"

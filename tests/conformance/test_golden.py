@@ -23,8 +23,8 @@ import torch
 
 import ucformat
 from tests.conformance.make_golden import EXPECTED, GOLDEN, GOLDENS, Golden
-from ucformat.dtypes import DTYPE_NAMES
-from ucformat.spec import state_array_path
+from ucformat.format.dtypes import DTYPE_NAMES
+from ucformat.format.spec import state_array_path
 
 STORES = [pytest.param(g, id=g.name) for g in GOLDENS]
 
@@ -157,7 +157,7 @@ def test_golden_stores_cover_the_format() -> None:
 
 def test_tensorstore_reads_names_with_dots_and_unicode(tmp_path: Path) -> None:
     """§2.4: a name's key is its UTF-8, unescaped; another zarr reader finds it by that key."""
-    from ucformat.models import ArrayRef
+    from ucformat.format.models import ArrayRef
     from ucformat.store.arrays import create_array, write_region
     from ucformat.store.keys import open_store
 

@@ -1,4 +1,5 @@
-"""ucformat.jcs against RFC 8785's own examples and an independent implementation (``rfc8785``)."""
+"""ucformat.format.jcs against RFC 8785's own examples and an independent implementation
+(``rfc8785``)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import rfc8785
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ucformat.jcs import CanonicalizationError, canonicalize, format_number
+from ucformat.format.jcs import CanonicalizationError, canonicalize, format_number
 
 GOLDEN = Path(__file__).parent / "golden"
 

@@ -7,12 +7,12 @@ import json
 import jsonschema
 
 from tests.helpers import tiny_manifest
-from ucformat.schema import SCHEMA_PATH, render_schema
+from ucformat.format.schema import SCHEMA_PATH, render_schema
 
 
 def test_committed_schema_matches_models() -> None:
     assert SCHEMA_PATH.read_text() == render_schema(), (
-        "schemas/manifest.schema.json is stale: run `python -m ucformat.schema`"
+        "schemas/manifest.schema.json is stale: run `python -m ucformat.format.schema`"
     )
 
 

@@ -14,8 +14,8 @@ import pytest
 
 import ucformat
 from ucformat.errors import ChunkMissingError, CorruptDataError
+from ucformat.format.models import ArrayRef
 from ucformat.layout.grid import chunk_flat_range
-from ucformat.models import ArrayRef
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "data" / "z3-bf16-dsadam-ftb-ws4"
 CHUNK_BYTES, SHARD_BYTES = 64, 256

@@ -29,8 +29,8 @@ from ucformat.errors import (
     IncompleteStoreError,
     ManifestError,
 )
+from ucformat.format.models import ArrayRef, CheckpointManifest
 from ucformat.layout.grid import chunk_flat_range
-from ucformat.models import ArrayRef, CheckpointManifest
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "data" / "z3-bf16-dsadam-ftb-ws4"
 CHUNK_BYTES, SHARD_BYTES = 64, 256

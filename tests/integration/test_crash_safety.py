@@ -39,7 +39,7 @@ FORK_TRIALS, SCRIPT_TRIALS = 24, 3
 #: that the killed pid is never reaped (and so never reused) before the test has killed it.
 ZYGOTE = r"""
 import json, os, sys
-import ucformat.convert  # the CLI imports the library lazily: import what the convert runs
+import ucformat.write.convert  # the CLI imports the library lazily: import what the convert runs
 from ucformat_cli.main import app
 print("ready", flush=True)
 for line in sys.stdin:

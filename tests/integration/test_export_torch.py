@@ -28,7 +28,7 @@ from tests.fixtures.models import (
 )
 from tests.truth import assert_exact, load_truth, plain
 from ucformat.errors import ModelMismatchError, UnsupportedExportError
-from ucformat.reader import UniversalCheckpoint
+from ucformat.read.checkpoint import UniversalCheckpoint
 
 DATA = Path(__file__).resolve().parents[1] / "fixtures" / "data"
 COMMITTED = sorted(p.name for p in DATA.iterdir() if (p / "truth.pt").exists())

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 import ucformat
-from ucformat.dtypes import itemsize
+from ucformat.format.dtypes import itemsize
 from ucformat.layout.reads import range_read_cost
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "data" / "z2-fp32-dsadam-ftb-ws3"

@@ -25,10 +25,10 @@ from tests.conftest import S3_BUCKET
 from tests.integration.test_export_torch import check_plain_torch_load, fresh
 from tests.s3server import Request, S3Server
 from tests.truth import load_truth
-from ucformat.dtypes import itemsize
 from ucformat.errors import IncompleteStoreError, StoreWriteError
+from ucformat.format.dtypes import itemsize
+from ucformat.format.spec import MANIFEST_KEY
 from ucformat.layout.reads import range_read_cost
-from ucformat.spec import MANIFEST_KEY
 
 DATA = Path(__file__).resolve().parents[1] / "fixtures" / "data"
 #: ZeRO-2 at 3 ranks with frozen params, a tied alias and buffers (0-d included).

@@ -24,7 +24,7 @@ from ucformat.layout.dtensor import (
     split_rows,
 )
 from ucformat.layout.ranges import check_tiling
-from ucformat.plan import shard_regions
+from ucformat.write.plan import shard_regions
 
 FAST = settings(max_examples=200, deadline=None)
 

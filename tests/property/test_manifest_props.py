@@ -1,7 +1,7 @@
 """Properties of the manifest: exact JSON round trips, and any edit is caught.
 
 Random manifests are built from the pydantic models (consistent references: optimizer groups,
-tied aliases), random Python values go through :mod:`ucformat.pyvalue`.
+tied aliases), random Python values go through :mod:`ucformat.format.pyvalue`.
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from ucformat.dtypes import DTYPE_NAMES, itemsize
 from ucformat.errors import ManifestError
-from ucformat.models import (
+from ucformat.format.dtypes import DTYPE_NAMES, itemsize
+from ucformat.format.models import (
     ArrayRef,
     BufferEntry,
     CheckpointManifest,
@@ -32,8 +32,8 @@ from ucformat.models import (
     SourceInfo,
     TrainingProgress,
 )
-from ucformat.pyvalue import decode, encode
-from ucformat.schema import SCHEMA_PATH
+from ucformat.format.pyvalue import decode, encode
+from ucformat.format.schema import SCHEMA_PATH
 from ucformat.store.manifest_io import manifest_digest, parse_manifest
 
 FAST = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])

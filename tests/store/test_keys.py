@@ -7,10 +7,10 @@ import itertools
 import pytest
 from zarr.storage import MemoryStore
 
+from ucformat.format.models import ArrayRef
+from ucformat.format.spec import shard_object_key, state_array_path
 from ucformat.layout.chunking import ChunkPolicy, choose_chunking
 from ucformat.layout.grid import shard_grid
-from ucformat.models import ArrayRef
-from ucformat.spec import shard_object_key, state_array_path
 from ucformat.store.arrays import chunk_key, create_array
 
 

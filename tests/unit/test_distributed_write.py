@@ -16,13 +16,13 @@ import torch
 
 import ucformat
 from ucformat.collective import Group, agree
-from ucformat.convert import convert_options
-from ucformat.distributed_write import MemoryTensor, RemoteTensor, write_spread
 from ucformat.errors import DistributedWriteError, StoreExistsError
-from ucformat.plan import plan_convert
 from ucformat.sources.base import SourceCheckpoint
 from ucformat.sources.deepspeed.checkpoint import read_deepspeed_checkpoint
 from ucformat.store.keys import open_store
+from ucformat.write.convert import convert_options
+from ucformat.write.plan import plan_convert
+from ucformat.write.spread import MemoryTensor, RemoteTensor, write_spread
 
 SOURCE = (
     Path(__file__).resolve().parents[1] / "fixtures" / "data" / "z3-bf16-dsadam-ftb-ws4" / "ckpt"

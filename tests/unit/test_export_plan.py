@@ -22,8 +22,7 @@ from ucformat.export._native_target import (
 )
 from ucformat.export.deepspeed_universal import plan_deepspeed_universal
 from ucformat.export.safetensors import _shards, plan_safetensors
-from ucformat.layout.partition import PartitionedFlatLayout
-from ucformat.models import (
+from ucformat.format.models import (
     BufferEntry,
     CheckpointManifest,
     OptimizerGroup,
@@ -31,6 +30,7 @@ from ucformat.models import (
     ParamEntry,
     ScalarState,
 )
+from ucformat.layout.partition import PartitionedFlatLayout
 
 #: The ``multi`` fixture model's two param groups (reference §4.4, example B).
 MULTI = [

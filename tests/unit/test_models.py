@@ -9,9 +9,9 @@ import pytest
 from pydantic import ValidationError
 
 from tests.helpers import tiny_manifest
-from ucformat.dtypes import DTYPE_NAMES
 from ucformat.errors import ManifestError, UnsupportedVersionError
-from ucformat.models import CheckpointManifest, DTypeName
+from ucformat.format.dtypes import DTYPE_NAMES
+from ucformat.format.models import CheckpointManifest, DTypeName
 from ucformat.store.manifest_io import manifest_digest, parse_manifest
 
 

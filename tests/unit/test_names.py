@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 
 from ucformat.errors import InvalidNameError
-from ucformat.plan import ConvertOptions, plan_convert
+from ucformat.format.spec import name_problem, state_array_path
 from ucformat.sources.deepspeed.checkpoint import read_deepspeed_checkpoint
-from ucformat.spec import name_problem, state_array_path
+from ucformat.write.plan import ConvertOptions, plan_convert
 
 FIXTURE = Path(__file__).parents[1] / "fixtures" / "data" / "z2-fp32-dsadam-ftb-ws3" / "ckpt"
 

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from ucformat.pyvalue import NotRepresentable, decode, encode, try_encode
+from ucformat.format.pyvalue import NotRepresentable, decode, encode, try_encode
 
 
 @pytest.mark.parametrize(

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from ucformat.errors import LayoutMismatchError, UnsupportedCheckpointError
 from ucformat.layout.partition import PartitionedFlatLayout, PerParamLayout
-from ucformat.partitions import FlatTarget
+from ucformat.read.partitions import FlatTarget
 
 __all__ = ["EngineView", "describe_engine"]
 

@@ -29,9 +29,12 @@ import torch
 
 from ucformat.deepspeed.engine import EngineView, describe_engine
 from ucformat.errors import LoadAbortedError, ModelMismatchError, UCFormatError
+from ucformat.format.models import CheckpointManifest
+from ucformat.format.pyvalue import decode
+from ucformat.format.spec import BUFFER_STATE, FP32_STATE, STEP_STATE
 from ucformat.layout.partition import Fragment
-from ucformat.models import CheckpointManifest
-from ucformat.partitions import (
+from ucformat.read.checkpoint import UniversalCheckpoint, open_checkpoint, scalar_value
+from ucformat.read.partitions import (
     FlatTarget,
     ReadTally,
     can_fill_in_place,
@@ -39,9 +42,6 @@ from ucformat.partitions import (
     rank_fragments,
     read_flat_state,
 )
-from ucformat.pyvalue import decode
-from ucformat.reader import UniversalCheckpoint, open_checkpoint, scalar_value
-from ucformat.spec import BUFFER_STATE, FP32_STATE, STEP_STATE
 from ucformat.store.keys import StoreLike
 
 __all__ = ["LoadReport", "load"]

@@ -12,7 +12,7 @@ Each rank writes the shards its own flat partitions cover, from its fp32 partiti
 optimizer states, with the converter's planner and shard writer: no native files, no temporary
 files, no all-gather of parameters. A shard that straddles two ranks' partitions is written by
 the rank holding most of it; the runs it lacks come from their holders over a private gloo
-group (:mod:`ucformat.distributed_write`). Rank 0 commits the manifest once every rank has
+group (:mod:`ucformat.write.spread`). Rank 0 commits the manifest once every rank has
 written its part; a failure on any rank raises the same
 :class:`~ucformat.errors.DistributedWriteError` on every rank, and nothing is committed. The
 store equals what ``ucformat convert`` makes of ``engine.save_checkpoint``'s files, array for
@@ -31,17 +31,17 @@ from typing import Any
 from ucformat.collective import Group, agree, group
 from ucformat.deepspeed.engine import describe_engine
 from ucformat.deepspeed.source import HostCopies, describe_live
-from ucformat.distributed_write import (
+from ucformat.format.models import CheckpointManifest
+from ucformat.layout.ownership import writers_by_holdings
+from ucformat.store.keys import StoreLike, open_store
+from ucformat.write.execute import DEFAULT_WORKERS
+from ucformat.write.plan import ConvertPlan, plan_convert
+from ucformat.write.spread import (
     DEFAULT_EXCHANGE_BUDGET,
     SpreadReport,
     holdings,
     write_spread,
 )
-from ucformat.layout.ownership import writers_by_holdings
-from ucformat.models import CheckpointManifest
-from ucformat.plan import ConvertPlan, plan_convert
-from ucformat.store.keys import StoreLike, open_store
-from ucformat.writer import DEFAULT_WORKERS
 
 __all__ = ["SaveHandle", "SaveReport", "save", "save_async"]
 
@@ -124,7 +124,7 @@ def _prepare(
     compressor: str,
 ) -> _Prepared:
     """Describe the engine, plan the store and agree that every rank could (collective)."""
-    from ucformat.convert import convert_options
+    from ucformat.write.convert import convert_options
 
     location = str(store)
     where = f"{location}: ucformat.deepspeed.save"

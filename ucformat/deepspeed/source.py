@@ -1,12 +1,13 @@
 """A live DeepSpeed engine described as a :class:`~ucformat.sources.base.SourceCheckpoint`.
 
 What :mod:`ucformat.sources.deepspeed.checkpoint` reads from the files ``engine.save_checkpoint``
-would write, taken from the engine itself, so that :func:`~ucformat.plan.plan_convert` makes the
+would write, taken from the engine itself, so that
+:func:`~ucformat.write.plan.plan_convert` makes the
 same plan and the same manifest (provenance aside). Every array's fragments are those of every
 rank, computed with :mod:`ucformat.layout.partition` from the engine's parameter order and world
 size (:mod:`ucformat.deepspeed.engine`): on this rank they point at its own tensors
-(:class:`~ucformat.distributed_write.MemoryTensor`), for the others they name the rank holding
-them (:class:`~ucformat.distributed_write.RemoteTensor`). What comes from where, as in the files:
+(:class:`~ucformat.write.spread.MemoryTensor`), for the others they name the rank holding
+them (:class:`~ucformat.write.spread.RemoteTensor`). What comes from where, as in the files:
 
 * trainable parameters: every rank's fp32 partitions and optimizer states (0-d states such as
   ``step`` become scalars);
@@ -25,12 +26,18 @@ from typing import Any
 import torch
 
 from ucformat.deepspeed.engine import EngineView
-from ucformat.distributed_write import MemoryTensor, RemoteTensor
-from ucformat.dtypes import dtype_name
 from ucformat.errors import LayoutMismatchError, UCFormatError
+from ucformat.format.dtypes import dtype_name
+from ucformat.format.models import (
+    ClientState,
+    LossScaler,
+    ScalarState,
+    SourceInfo,
+    TrainingProgress,
+)
+from ucformat.format.pyvalue import try_encode
+from ucformat.format.spec import FP32_STATE, VALUE_STATE
 from ucformat.layout.partition import PerParamLayout
-from ucformat.models import ClientState, LossScaler, ScalarState, SourceInfo, TrainingProgress
-from ucformat.pyvalue import try_encode
 from ucformat.sources.base import (
     ArraySource,
     FragmentTensor,
@@ -41,7 +48,7 @@ from ucformat.sources.base import (
 )
 from ucformat.sources.deepspeed.checkpoint import _client_state, _optimizer_info
 from ucformat.sources.deepspeed.states import FlatStates
-from ucformat.spec import FP32_STATE, VALUE_STATE
+from ucformat.write.spread import MemoryTensor, RemoteTensor
 
 __all__ = ["HostCopies", "describe_live"]
 

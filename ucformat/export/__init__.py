@@ -9,7 +9,7 @@
   FSDP2 model at any world size.
 
 Each target module plans from the manifest alone (so ``dry_run`` reads no tensor), then streams
-the arrays it needs through :class:`~ucformat.reader.UniversalCheckpoint`. DeepSpeed is
+the arrays it needs through :class:`~ucformat.read.checkpoint.UniversalCheckpoint`. DeepSpeed is
 imported only when a DeepSpeed export actually writes files.
 """
 

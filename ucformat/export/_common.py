@@ -2,7 +2,7 @@
 
 Nothing here knows a target format. Each target module plans what to write from the manifest
 alone (pure, so ``--dry-run`` and unit tests need no tensor bytes), then executes the plan by
-streaming reads through :class:`~ucformat.reader.UniversalCheckpoint`.
+streaming reads through :class:`~ucformat.read.checkpoint.UniversalCheckpoint`.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from ucformat.errors import StoreExistsError, UnsupportedExportError
-from ucformat.reader import UniversalCheckpoint, open_checkpoint
+from ucformat.read.checkpoint import UniversalCheckpoint, open_checkpoint
 from ucformat.store.keys import StoreLike
 
 __all__ = [

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ucformat.dtypes import torch_dtype
+from ucformat.format.dtypes import torch_dtype
 
 if TYPE_CHECKING:
     from ucformat.export.dcp import DcpPlan

@@ -21,12 +21,12 @@ from typing import Any
 
 import torch
 
-from ucformat.dtypes import torch_dtype
 from ucformat.errors import UnsupportedExportError
-from ucformat.models import CheckpointManifest
-from ucformat.pyvalue import decode
-from ucformat.reader import UniversalCheckpoint
-from ucformat.spec import BUFFER_STATE, FP32_STATE, STEP_STATE
+from ucformat.format.dtypes import torch_dtype
+from ucformat.format.models import CheckpointManifest
+from ucformat.format.pyvalue import decode
+from ucformat.format.spec import BUFFER_STATE, FP32_STATE, STEP_STATE
+from ucformat.read.checkpoint import UniversalCheckpoint
 
 __all__ = [
     "DeepSpeedClasses",

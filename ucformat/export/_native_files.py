@@ -16,13 +16,13 @@ from typing import Any
 
 import torch
 
-from ucformat.dtypes import torch_dtype
 from ucformat.export._deepspeed_common import DeepSpeedClasses, flat_group_step
 from ucformat.export._native_target import BF16_OPTIMIZER, FlatGroup, NativePlan
+from ucformat.format.dtypes import torch_dtype
+from ucformat.format.pyvalue import decode
+from ucformat.format.spec import FP32_STATE
 from ucformat.layout.partition import PartitionedFlatLayout, ceil_div
-from ucformat.pyvalue import decode
-from ucformat.reader import UniversalCheckpoint
-from ucformat.spec import FP32_STATE
+from ucformat.read.checkpoint import UniversalCheckpoint
 
 __all__ = ["RankFiles", "frozen_fragments"]
 

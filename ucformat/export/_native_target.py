@@ -20,18 +20,18 @@ import copy
 from dataclasses import dataclass
 from typing import Any
 
-from ucformat.dtypes import itemsize
 from ucformat.errors import UnsupportedExportError
 from ucformat.export._common import parse_dtype
 from ucformat.export._deepspeed_common import flat_group_step, frozen_names, require_optimizer
+from ucformat.format.dtypes import itemsize
+from ucformat.format.models import CheckpointManifest
+from ucformat.format.pyvalue import decode
 from ucformat.layout.partition import (
     PartitionedFlatLayout,
     PerParamLayout,
     alignment_paddings,
     zero3_sub_groups,
 )
-from ucformat.models import CheckpointManifest
-from ucformat.pyvalue import decode
 from ucformat.sources.deepspeed.files import (
     BF16_PREFIX,
     LATEST_FILE,

@@ -46,7 +46,6 @@ from typing import Any, Literal
 
 import torch
 
-from ucformat.dtypes import itemsize, torch_dtype
 from ucformat.errors import UnsupportedExportError
 from ucformat.export._common import (
     ExportHooks,
@@ -56,13 +55,14 @@ from ucformat.export._common import (
     prepare_destination,
 )
 from ucformat.export._dcp_metadata import dcp_metadata
+from ucformat.format.dtypes import itemsize, torch_dtype
+from ucformat.format.models import CheckpointManifest, ScalarState
+from ucformat.format.pyvalue import decode
+from ucformat.format.spec import FP32_STATE
+from ucformat.format.summary import format_bytes
 from ucformat.layout.boxes import row_chunks
-from ucformat.models import CheckpointManifest, ScalarState
-from ucformat.pyvalue import decode
-from ucformat.reader import BUFFER_STATE, UniversalCheckpoint
-from ucformat.spec import FP32_STATE
+from ucformat.read.checkpoint import BUFFER_STATE, UniversalCheckpoint
 from ucformat.store.keys import StoreLike
-from ucformat.summary import format_bytes
 
 __all__ = ["DcpPiece", "DcpPlan", "DcpTensorItem", "DcpValueItem", "export_dcp", "plan_dcp"]
 

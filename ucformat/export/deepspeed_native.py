@@ -52,11 +52,11 @@ from ucformat.export._native_target import NativePlan, native_target, plan_nativ
 from ucformat.export._run_folder import finish_destination, plan_destination, prepare_folder
 from ucformat.export._url_target import export_to_url, is_url
 from ucformat.export.hf_trainer import trainer_notes
-from ucformat.models import CheckpointManifest
-from ucformat.reader import UniversalCheckpoint
+from ucformat.format.models import CheckpointManifest
+from ucformat.format.summary import format_bytes
+from ucformat.read.checkpoint import UniversalCheckpoint
 from ucformat.sources.deepspeed.files import LATEST_FILE
 from ucformat.store.keys import StoreLike
-from ucformat.summary import format_bytes
 
 __all__ = ["export_deepspeed", "plan_deepspeed"]
 

@@ -51,13 +51,13 @@ from ucformat.export._deepspeed_common import (
     require_optimizer,
 )
 from ucformat.export._url_target import export_to_url, is_url
-from ucformat.models import CheckpointManifest
-from ucformat.pyvalue import decode
-from ucformat.reader import UniversalCheckpoint, scalar_value
+from ucformat.format.models import CheckpointManifest
+from ucformat.format.pyvalue import decode
+from ucformat.format.spec import FP32_STATE, STEP_STATE
+from ucformat.format.summary import format_bytes
+from ucformat.read.checkpoint import UniversalCheckpoint, scalar_value
 from ucformat.sources.deepspeed.files import model_states_file
-from ucformat.spec import FP32_STATE, STEP_STATE
 from ucformat.store.keys import StoreLike
-from ucformat.summary import format_bytes
 
 __all__ = ["LATEST_UNIVERSAL", "export_deepspeed_universal", "plan_deepspeed_universal"]
 

@@ -23,8 +23,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from ucformat.models import CheckpointManifest
-from ucformat.pyvalue import decode
+from ucformat.format.models import CheckpointManifest
+from ucformat.format.pyvalue import decode
 
 __all__ = ["TRAINER_STATE", "is_trainer_checkpoint", "trainer_notes"]
 

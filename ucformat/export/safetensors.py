@@ -34,7 +34,6 @@ from typing import Literal
 import numpy as np
 import torch
 
-from ucformat.dtypes import itemsize, torch_dtype
 from ucformat.errors import UnsupportedExportError
 from ucformat.export._common import (
     ExportHooks,
@@ -47,11 +46,12 @@ from ucformat.export._common import (
     prepare_destination,
 )
 from ucformat.export._url_target import export_to_url, is_url
-from ucformat.models import CheckpointManifest
-from ucformat.reader import UniversalCheckpoint
-from ucformat.spec import BUFFER_STATE, FP32_STATE
+from ucformat.format.dtypes import itemsize, torch_dtype
+from ucformat.format.models import CheckpointManifest
+from ucformat.format.spec import BUFFER_STATE, FP32_STATE
+from ucformat.format.summary import format_bytes
+from ucformat.read.checkpoint import UniversalCheckpoint
 from ucformat.store.keys import StoreLike
-from ucformat.summary import format_bytes
 
 __all__ = [
     "INDEX_NAME",

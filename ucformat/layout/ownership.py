@@ -1,6 +1,6 @@
 """Who writes which write unit when the units are spread over ranks: pure integer arithmetic.
 
-A :class:`~ucformat.plan.WriteUnit` (one shard) is written by exactly one process. Two rules:
+A :class:`~ucformat.write.plan.WriteUnit` (one shard) is written by exactly one process. Two rules:
 
 * :func:`writers_by_holdings` (live saves): each rank holds some elements of a unit (its flat
   partition covers them); the rank holding the most writes it, so the bytes that cross the

@@ -8,7 +8,7 @@ every array with :func:`~ucformat.layout.chunking.choose_chunking`, and sums ove
 bytes the loader's reads cost (:func:`~ucformat.layout.reads.range_read_cost`: whole chunks with
 their checksums, plus one shard index per shard a rank touches). Each rank reads, for every
 fragment it owns, exactly that flat range of the parameter's array, as
-:mod:`ucformat.partitions` does.
+:mod:`ucformat.read.partitions` does.
 
 The result is the read amplification of one state (``fp32``; every optimizer state has the same
 layout and so the same ratio): fetched bytes over needed bytes, summed over ranks. Pure

@@ -13,15 +13,15 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-from ucformat.dtypes import dtype_name
-from ucformat.models import (
+from ucformat.format.dtypes import dtype_name
+from ucformat.format.models import (
     ClientState,
     OptimizerInfo,
     ScalarState,
     SourceInfo,
     TrainingProgress,
 )
-from ucformat.pyvalue import describe_type
+from ucformat.format.pyvalue import describe_type
 from ucformat.sources.torchfile import TensorRef, TorchFile
 
 if TYPE_CHECKING:
@@ -42,7 +42,7 @@ class FragmentTensor(Protocol):
     """What the writer needs of a fragment's tensor.
 
     A :class:`~ucformat.sources.torchfile.TensorRef` (bytes in a file), or a tensor in memory
-    (a live save: :class:`ucformat.distributed_write.MemoryTensor`).
+    (a live save: :class:`ucformat.write.spread.MemoryTensor`).
     """
 
     @property

@@ -35,8 +35,7 @@ from ucformat.errors import (
     UCFormatError,
     UnsupportedCheckpointError,
 )
-from ucformat.layout.boxes import chunk_runs
-from ucformat.models import (
+from ucformat.format.models import (
     ClientState,
     OptimizerGroup,
     OptimizerInfo,
@@ -45,7 +44,9 @@ from ucformat.models import (
     SourceInfo,
     TrainingProgress,
 )
-from ucformat.pyvalue import describe_type, encode, try_encode
+from ucformat.format.pyvalue import describe_type, encode, try_encode
+from ucformat.format.spec import FP32_STATE, VALUE_STATE
+from ucformat.layout.boxes import chunk_runs
 from ucformat.sources.base import (
     ArraySource,
     SourceCheckpoint,
@@ -63,7 +64,6 @@ from ucformat.sources.dcp_metadata import (
 )
 from ucformat.sources.safe_unpickle import PicklePolicy
 from ucformat.sources.torchfile import TensorRef, TorchFile, open_embedded_torch_file
-from ucformat.spec import FP32_STATE, VALUE_STATE
 
 __all__ = ["BUFFER_NAMES", "is_dcp_folder", "read_dcp_checkpoint"]
 

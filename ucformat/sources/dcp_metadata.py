@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ucformat.dtypes import DTYPE_NAMES
 from ucformat.errors import NotACheckpointError, SourceNotFoundError, UnsupportedCheckpointError
+from ucformat.format.dtypes import DTYPE_NAMES
 from ucformat.sources.safe_unpickle import StandIn, load_dcp_metadata_pickle
 
 __all__ = [

@@ -36,8 +36,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from ucformat.dtypes import itemsize
 from ucformat.errors import TruncatedFileError, UnsafePickleError
+from ucformat.format.dtypes import itemsize
 
 __all__ = [
     "DCP_METADATA_CLASSES",

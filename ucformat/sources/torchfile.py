@@ -33,11 +33,11 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ucformat.dtypes import numpy_storage_dtype, storage_to_torch, torch_dtype
 from ucformat.errors import SourceChecksumError, TruncatedFileError, UnsupportedCheckpointError
+from ucformat.format.dtypes import numpy_storage_dtype, storage_to_torch, torch_dtype
 from ucformat.sources.safe_unpickle import PicklePolicy, StorageRef, load_pickle
 from ucformat.sources.zipcrc import MemberCrc
-from ucformat.store.direct.fileio import preadv_all
+from ucformat.sysio.fileio import preadv_all
 
 if TYPE_CHECKING:  # reading a checkpoint needs no torch; only materialising a tensor does
     import torch

@@ -27,10 +27,10 @@ from zarr.buffer import default_buffer_prototype
 from zarr.codecs import BytesCodec, Crc32cCodec, ZstdCodec
 from zarr.storage import MemoryStore, StorePath
 
-from ucformat.dtypes import numpy_storage_dtype
 from ucformat.errors import ChunkMissingError, CorruptDataError
+from ucformat.format.dtypes import numpy_storage_dtype
+from ucformat.format.models import ArrayRef
 from ucformat.layout.grid import chunk_box, chunk_flat_range, chunks_in_box
-from ucformat.models import ArrayRef
 from ucformat.store.keys import read_key, run, store_writes
 
 __all__ = [

@@ -6,7 +6,7 @@ incomplete by definition and every reader refuses it.
 
 The manifest carries ``digest``: the sha256 of its canonical JSON with ``digest`` itself set to
 null, so an edited manifest is detected; a manifest without one is refused too. Format 2 uses
-RFC 8785 (:mod:`ucformat.jcs`); format 1 stores keep format 1's rule (Python's ``json.dumps``
+RFC 8785 (:mod:`ucformat.format.jcs`); format 1 stores keep format 1's rule (Python's ``json.dumps``
 with sorted keys), so they stay readable (docs/format.md §3.7).
 """
 
@@ -26,9 +26,9 @@ from ucformat.errors import (
     NotAStoreError,
     UnsupportedVersionError,
 )
-from ucformat.jcs import canonicalize
-from ucformat.models import IGNORE_UNKNOWN, CheckpointManifest
-from ucformat.spec import FORMAT_NAME, FORMAT_VERSION, KNOWN_MINOR, MANIFEST_KEY
+from ucformat.format.jcs import canonicalize
+from ucformat.format.models import IGNORE_UNKNOWN, CheckpointManifest
+from ucformat.format.spec import FORMAT_NAME, FORMAT_VERSION, KNOWN_MINOR, MANIFEST_KEY
 from ucformat.store.durable import sync_tree, write_file_durably
 from ucformat.store.locations import existing_store_directory, local_directory
 

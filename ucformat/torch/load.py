@@ -35,10 +35,10 @@ from typing import Any
 import torch
 
 from ucformat.errors import ModelMismatchError, UnsupportedExportError
-from ucformat.models import ArrayRef, CheckpointManifest
-from ucformat.pyvalue import decode
-from ucformat.reader import UniversalCheckpoint, open_checkpoint, scalar_value
-from ucformat.spec import BUFFER_STATE, FP32_STATE, STEP_STATE, VALUE_STATE
+from ucformat.format.models import ArrayRef, CheckpointManifest
+from ucformat.format.pyvalue import decode
+from ucformat.format.spec import BUFFER_STATE, FP32_STATE, STEP_STATE, VALUE_STATE
+from ucformat.read.checkpoint import UniversalCheckpoint, open_checkpoint, scalar_value
 from ucformat.store.keys import StoreLike
 from ucformat.torch.dtensor import is_dtensor, reshard
 

@@ -6,7 +6,7 @@ DTensors (FSDP2, HSDP) under ``torch.distributed``. Every rank runs the same ste
 1. describe the model and the optimizer: every parameter (tied ones once), buffer, optimizer
    state and param group, with each rank's local shard (:mod:`ucformat.torch.dtensor`). The
    ranks exchange this small description once, so they all plan the same store;
-2. plan the store with the converter's planner (:func:`ucformat.plan.plan_convert`). Each
+2. plan the store with the converter's planner (:func:`ucformat.write.plan.plan_convert`). Each
    array is described by its owners' flat ranges (:func:`ucformat.layout.dtensor.owners`: one
    replica each), and chunked so shards end on owner boundaries where chunks stay large
    (:func:`~ucformat.layout.dtensor.aligned_chunking`);
@@ -14,7 +14,7 @@ DTensors (FSDP2, HSDP) under ``torch.distributed``. Every rank runs the same ste
    (:func:`~ucformat.layout.dtensor.plan_unit_writes`); the pieces of a shard held by other
    ranks are sent to the writer (point-to-point, all at once);
 4. rank 0 creates the store's metadata, then every rank writes its shards with the converter's
-   writer (:func:`ucformat.writer.write_units`) straight from its local tensors;
+   writer (:func:`ucformat.write.execute.write_units`) straight from its local tensors;
 5. the ranks agree that every rank succeeded; only then rank 0 commits the manifest. A failure
    anywhere leaves no committed store and raises on every rank.
 
@@ -35,12 +35,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from ucformat.convert import discard_store, start_store
-from ucformat.dtypes import dtype_name, itemsize, numpy_storage_dtype, torch_to_storage
 from ucformat.errors import SaveAbortedError, StoreExistsError, UCFormatError
-from ucformat.layout.chunking import Chunking, ChunkPolicy
-from ucformat.layout.dtensor import Owner, UnitWrite, aligned_chunking, owners, plan_unit_writes
-from ucformat.models import (
+from ucformat.format.dtypes import dtype_name, itemsize, numpy_storage_dtype, torch_to_storage
+from ucformat.format.models import (
     CheckpointManifest,
     ClientState,
     OptimizerGroup,
@@ -48,8 +45,15 @@ from ucformat.models import (
     SourceInfo,
     TrainingProgress,
 )
-from ucformat.plan import ConvertOptions, ConvertPlan, plan_convert
-from ucformat.pyvalue import encode, try_encode
+from ucformat.format.pyvalue import encode, try_encode
+from ucformat.format.spec import (
+    FP32_STATE,
+    VALUE_STATE,
+    buffer_array_path,
+    state_array_path,
+)
+from ucformat.layout.chunking import Chunking, ChunkPolicy
+from ucformat.layout.dtensor import Owner, UnitWrite, aligned_chunking, owners, plan_unit_writes
 from ucformat.sources.base import (
     ArraySource,
     SourceCheckpoint,
@@ -57,14 +61,9 @@ from ucformat.sources.base import (
     SourceParam,
     scalar_state,
 )
-from ucformat.spec import (
-    FP32_STATE,
-    VALUE_STATE,
-    buffer_array_path,
-    state_array_path,
-)
 from ucformat.store.arrays import array_from_manifest, create_arrays
 from ucformat.store.keys import Store, StoreLike, open_store
+from ucformat.store.lifecycle import discard_store, start_store
 from ucformat.store.manifest_io import commit_manifest
 from ucformat.torch.dtensor import (
     LocalShard,
@@ -74,7 +73,8 @@ from ucformat.torch.dtensor import (
     persistent_buffers,
     reshard,
 )
-from ucformat.writer import DEFAULT_WORKERS, write_units
+from ucformat.write.execute import DEFAULT_WORKERS, write_units
+from ucformat.write.plan import ConvertOptions, ConvertPlan, plan_convert
 
 __all__ = ["save"]
 
@@ -177,7 +177,7 @@ def _comm_device() -> torch.device:
 
 def _flat_storage(tensor: torch.Tensor, dtype: str) -> np.ndarray:
     """This rank's values of ``tensor`` as a flat CPU array of the stored dtype."""
-    from ucformat.dtypes import torch_dtype
+    from ucformat.format.dtypes import torch_dtype
 
     values = tensor.detach().to("cpu", torch_dtype(dtype)).contiguous().reshape(-1)
     return torch_to_storage(values)

@@ -24,17 +24,17 @@ from typing import Any
 
 import torch
 
-from ucformat.dtypes import itemsize
 from ucformat.errors import (
     LoadAbortedError,
     ModelMismatchError,
     UCFormatError,
     UnsupportedExportError,
 )
-from ucformat.models import CheckpointManifest
-from ucformat.pyvalue import decode
-from ucformat.reader import BUFFER_STATE, UniversalCheckpoint, scalar_value
-from ucformat.spec import FP32_STATE, STEP_STATE
+from ucformat.format.dtypes import itemsize
+from ucformat.format.models import CheckpointManifest
+from ucformat.format.pyvalue import decode
+from ucformat.format.spec import FP32_STATE, STEP_STATE
+from ucformat.read.checkpoint import BUFFER_STATE, UniversalCheckpoint, scalar_value
 from ucformat.torch.dtensor import LocalShard, local_shard, persistent_buffers
 from ucformat.torch.load import _merged_group, _torch_step
 

@@ -14,10 +14,10 @@ from typing import Any
 
 import numpy as np
 
-from ucformat.dtypes import itemsize
+from ucformat.format.dtypes import itemsize
+from ucformat.format.models import ArrayRef, CheckpointManifest
+from ucformat.format.spec import buffer_array_path, state_array_path
 from ucformat.layout.grid import is_flat_block
-from ucformat.models import ArrayRef, CheckpointManifest
-from ucformat.spec import buffer_array_path, state_array_path
 
 __all__ = [
     "Difference",

@@ -32,16 +32,17 @@ from typing import Any
 
 import numpy as np
 
-from ucformat.dtypes import numpy_storage_dtype
 from ucformat.errors import (
     ChunkMissingError,
     CorruptDataError,
     ManifestError,
     UnsupportedVersionError,
 )
+from ucformat.format.dtypes import numpy_storage_dtype
+from ucformat.format.models import ArrayRef, CheckpointManifest
+from ucformat.format.spec import FORMAT_NAME, MANIFEST_KEY
+from ucformat.format.summary import format_bytes
 from ucformat.layout.grid import chunk_box, chunk_flat_range, chunks_in_box, shard_grid
-from ucformat.models import ArrayRef, CheckpointManifest
-from ucformat.spec import FORMAT_NAME, MANIFEST_KEY
 from ucformat.store.arrays import (
     Array,
     BadChunk,
@@ -62,7 +63,6 @@ from ucformat.store.manifest_io import (
     parse_manifest,
     read_manifest_bytes,
 )
-from ucformat.summary import format_bytes
 from ucformat.verify.checks import (
     ManifestArray,
     bit_differences,

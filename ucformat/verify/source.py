@@ -3,7 +3,7 @@
 The source is read with the converter's own reader (:func:`read_source`: DeepSpeed or DCP) and
 planned with :func:`plan_convert`, but with every array's chunk and shard shapes taken from the
 store's manifest. The plan's manifest is then what the store's manifest must say, and each of its
-:class:`~ucformat.plan.WriteUnit` is exactly one shard of the store: the source fragments that
+:class:`~ucformat.write.plan.WriteUnit` is exactly one shard of the store: the source fragments that
 must fill it. Filling a unit reads each source byte it needs once; units are disjoint.
 """
 
@@ -16,14 +16,14 @@ from pathlib import Path
 
 import numpy as np
 
+from ucformat.format.models import ArrayRef, CheckpointManifest
 from ucformat.layout.chunking import Chunking
-from ucformat.models import ArrayRef, CheckpointManifest
-from ucformat.plan import ConvertOptions, ConvertPlan, WriteUnit, plan_convert
 from ucformat.sources.base import SourceCheckpoint
 from ucformat.sources.detect import read_source
 from ucformat.sources.safe_unpickle import PicklePolicy
 from ucformat.verify.checks import ManifestArray
-from ucformat.writer import fill_unit
+from ucformat.write.execute import fill_unit
+from ucformat.write.plan import ConvertOptions, ConvertPlan, WriteUnit, plan_convert
 
 __all__ = ["SourceShards", "replan_source"]
 

@@ -9,9 +9,9 @@ import pytest
 from zarr.storage import LocalStore, MemoryStore
 
 import ucformat
-from ucformat.plan import shard_regions
 from ucformat.store.arrays import array_from_manifest, chunk_key, create_array, write_region
 from ucformat.store.keys import read_key
+from ucformat.write.plan import shard_regions
 
 DATA = Path(__file__).resolve().parents[2] / "fixtures" / "data"
 
@@ -54,7 +54,7 @@ def test_fast_reads_equal_zarr_reads(tmp_path: Path) -> None:
     """The reader's direct shard reads give zarr's values and fetch zarr's bytes."""
     import random
 
-    from ucformat.dtypes import numpy_storage_dtype
+    from ucformat.format.dtypes import numpy_storage_dtype
     from ucformat.layout.chunking import chunk_aligned_range
     from ucformat.layout.ranges import flat_range_to_boxes
     from ucformat.store.arrays import read_box

@@ -23,11 +23,11 @@ from zarr.core.buffer import default_buffer_prototype
 from zarr.storage import MemoryStore
 
 import ucformat
-from ucformat.dtypes import numpy_storage_dtype
 from ucformat.errors import CorruptDataError
+from ucformat.format.dtypes import numpy_storage_dtype
+from ucformat.format.models import ArrayRef
+from ucformat.format.spec import shard_object_key
 from ucformat.layout.grid import chunk_flat_range
-from ucformat.models import ArrayRef
-from ucformat.spec import shard_object_key
 from ucformat.store.arrays import read_box
 from ucformat.store.direct.shard_read import DirectRead, Outcome, read_flat_range
 

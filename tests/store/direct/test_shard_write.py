@@ -14,14 +14,14 @@ import pytest
 from zarr.core.indexing import morton_order_iter
 from zarr.storage import MemoryStore
 
+from ucformat.format.models import ArrayRef
 from ucformat.layout.chunking import ChunkPolicy, choose_chunking
 from ucformat.layout.shards import morton_order, shard_layout
-from ucformat.models import ArrayRef
-from ucformat.plan import _units
 from ucformat.sources.base import ArraySource, SourceFragment
 from ucformat.store.arrays import chunk_key, create_array, write_region
-from ucformat.store.direct.shard_write import encode_shard, stream_shard
 from ucformat.store.keys import read_key
+from ucformat.write.plan import _units
+from ucformat.write.shard_encode import encode_shard, stream_shard
 
 
 @pytest.mark.parametrize("grid", [(1,), (7,), (2, 2), (3, 5), (5, 1), (1, 6), (4, 1, 3), (2, 3, 4)])

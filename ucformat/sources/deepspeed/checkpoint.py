@@ -20,8 +20,7 @@ from ucformat.errors import (
     UCFormatError,
     UnsupportedCheckpointError,
 )
-from ucformat.layout.partition import PerParamLayout
-from ucformat.models import (
+from ucformat.format.models import (
     ClientState,
     LossScaler,
     OptimizerGroup,
@@ -30,7 +29,9 @@ from ucformat.models import (
     SourceInfo,
     TrainingProgress,
 )
-from ucformat.pyvalue import encode, try_encode
+from ucformat.format.pyvalue import encode, try_encode
+from ucformat.format.spec import FP32_STATE, VALUE_STATE
+from ucformat.layout.partition import PerParamLayout
 from ucformat.sources.base import ArraySource, SourceCheckpoint, SourceFragment, SourceParam
 from ucformat.sources.deepspeed.files import (
     ZeroFiles,
@@ -45,7 +46,6 @@ from ucformat.sources.deepspeed.states import (
 )
 from ucformat.sources.safe_unpickle import PicklePolicy, StandIn
 from ucformat.sources.torchfile import TensorRef, TorchFile, open_torch_file
-from ucformat.spec import FP32_STATE, VALUE_STATE
 
 __all__ = ["read_deepspeed_checkpoint"]
 

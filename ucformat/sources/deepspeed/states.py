@@ -14,11 +14,11 @@ from math import prod
 from typing import Any
 
 from ucformat.errors import LayoutMismatchError, NotACheckpointError
+from ucformat.format.models import ScalarState
+from ucformat.format.spec import FP32_STATE
 from ucformat.layout.partition import Fragment, PartitionedFlatLayout, PerParamLayout
-from ucformat.models import ScalarState
 from ucformat.sources.base import ArraySource, SourceFragment, scalar_state
 from ucformat.sources.torchfile import TensorRef, TorchFile
-from ucformat.spec import FP32_STATE
 
 __all__ = ["FlatStates", "read_zero12_states", "read_zero3_states"]
 

@@ -9,11 +9,11 @@ the byte identity against zarr itself.
 
 * :mod:`~ucformat.store.direct.shard_read`: chunk runs of a flat range read straight from shard
   objects, every crc32c checked where it lands; the in-place check of the loader;
-* :mod:`~ucformat.store.direct.shard_write`: encode an uncompressed shard object from source
+* :mod:`~ucformat.write.shard_encode`: encode an uncompressed shard object from source
   fragments (streamed through a window on local stores);
 * :mod:`~ucformat.store.direct.objects`: byte ranges of objects, and the local files behind them;
-* :mod:`~ucformat.store.direct.fileio`: whole ``preadv`` / ``pwrite`` at an offset (stdlib only);
-* :mod:`~ucformat.store.direct.memory`: large staging buffers mapped up front.
+* :mod:`~ucformat.sysio.fileio`: whole ``preadv`` / ``pwrite`` at an offset (stdlib only);
+* :mod:`~ucformat.sysio.memory`: large staging buffers mapped up front.
 
-Nothing is imported here, so :mod:`~ucformat.store.direct.fileio` stays free of zarr.
+Nothing is imported here, so :mod:`~ucformat.sysio.fileio` stays free of zarr.
 """

@@ -41,8 +41,9 @@ import crc32c
 import numpy as np
 from zarr.abc.store import Store
 
-from ucformat.dtypes import itemsize
 from ucformat.errors import CorruptDataError
+from ucformat.format.dtypes import itemsize
+from ucformat.format.models import ArrayRef
 from ucformat.layout.shards import (
     ABSENT,
     CRC_BYTES,
@@ -51,10 +52,9 @@ from ucformat.layout.shards import (
     shard_layout,
     shards_in_range,
 )
-from ucformat.models import ArrayRef
 from ucformat.store.checked import CheckedStore
-from ucformat.store.direct.fileio import preadv_all
 from ucformat.store.direct.objects import fetch_bytes, local_file
+from ucformat.sysio.fileio import preadv_all
 
 __all__ = ["NOT_APPLICABLE", "OK", "DirectRead", "Outcome", "check_flat_range", "read_flat_range"]
 

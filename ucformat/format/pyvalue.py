@@ -24,8 +24,8 @@ import math
 import sys
 from typing import Any
 
-from ucformat.dtypes import dtype_name, torch_dtype
-from ucformat.jcs import MAX_SAFE_INTEGER
+from ucformat.format.dtypes import dtype_name, torch_dtype
+from ucformat.format.jcs import MAX_SAFE_INTEGER
 
 __all__ = [
     "NotRepresentable", "Shown", "decode", "decode_for_display", "describe_type", "encode",

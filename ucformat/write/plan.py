@@ -3,7 +3,8 @@
 :func:`plan_convert` turns a :class:`~ucformat.sources.base.SourceCheckpoint` into a frozen
 :class:`ConvertPlan`:
 
-1. one :class:`~ucformat.models.ArrayRef` per (parameter, state) and per buffer, with chunk and
+1. one :class:`~ucformat.format.models.ArrayRef` per (parameter, state) and per buffer, with chunk
+   and
    shard shapes from :func:`~ucformat.layout.chunking.choose_chunking`;
 2. a proof that every array's source fragments tile it exactly (no hole, overlap or overflow);
 3. one :class:`WriteUnit` per shard: the shard's region and the :class:`CopyItem` runs that fill
@@ -21,13 +22,10 @@ from dataclasses import dataclass, field
 from math import prod
 
 from ucformat._version import __version__
-from ucformat.dtypes import itemsize
 from ucformat.errors import InvalidNameError
-from ucformat.layout.chunking import Chunking, ChunkPolicy, choose_chunking
-from ucformat.layout.ranges import check_tiling
-from ucformat.models import ArrayRef, BufferEntry, CheckpointManifest, ParamEntry
-from ucformat.sources.base import ArraySource, SourceCheckpoint, SourceFragment
-from ucformat.spec import (
+from ucformat.format.dtypes import itemsize
+from ucformat.format.models import ArrayRef, BufferEntry, CheckpointManifest, ParamEntry
+from ucformat.format.spec import (
     FORMAT_VERSION,
     FP32_STATE,
     VALUE_STATE,
@@ -35,6 +33,9 @@ from ucformat.spec import (
     name_problem,
     state_array_path,
 )
+from ucformat.layout.chunking import Chunking, ChunkPolicy, choose_chunking
+from ucformat.layout.ranges import check_tiling
+from ucformat.sources.base import ArraySource, SourceCheckpoint, SourceFragment
 
 __all__ = ["ConvertOptions", "ConvertPlan", "CopyItem", "WriteUnit", "plan_convert"]
 

@@ -9,7 +9,7 @@ the same plan as ``ucformat convert``; the plan's write units are cut into one c
 of about equal bytes per process (:func:`ucformat.layout.ownership.writers_by_balance`), so each
 process reads about ``1/W`` of the source bytes, from whichever rank files its units need, and
 writes its shards with the converter's writer. Rank 0 prepares the destination and commits the
-manifest after every process has reported success (:mod:`ucformat.distributed_write`); any
+manifest after every process has reported success (:mod:`ucformat.write.spread`); any
 process's failure fails every process with the same error, and nothing is committed. SRC and
 DST must be reachable from every node (a shared file system, or an object store URL).
 """
@@ -21,12 +21,12 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ucformat.writer import DEFAULT_WORKERS
+from ucformat.write.execute import DEFAULT_WORKERS
 
 if TYPE_CHECKING:
-    from ucformat.convert import ConvertHooks
-    from ucformat.distributed_write import SpreadReport
     from ucformat.store.keys import StoreLike
+    from ucformat.write.convert import ConvertHooks
+    from ucformat.write.spread import SpreadReport
 
 __all__ = ["convert_distributed", "launched_distributed"]
 
@@ -60,7 +60,7 @@ def convert_distributed(
     those of :func:`ucformat.convert`.
 
     Returns:
-        This process's :class:`~ucformat.distributed_write.SpreadReport` (``manifest`` is the
+        This process's :class:`~ucformat.write.spread.SpreadReport` (``manifest`` is the
         committed one on rank 0).
 
     Raises:
@@ -70,14 +70,14 @@ def convert_distributed(
     import torch.distributed as dist  # here: launched_distributed() must not import torch
 
     from ucformat.collective import agree, group
-    from ucformat.convert import ConvertHooks, _pickle_policy, convert_options
-    from ucformat.distributed_write import write_spread
-    from ucformat.dtypes import itemsize
+    from ucformat.format.dtypes import itemsize
     from ucformat.layout.ownership import writers_by_balance
-    from ucformat.plan import plan_convert
     from ucformat.sources.detect import read_source
     from ucformat.store.keys import open_store
     from ucformat.store.locations import local_source
+    from ucformat.write.convert import ConvertHooks, _pickle_policy, convert_options
+    from ucformat.write.plan import plan_convert
+    from ucformat.write.spread import write_spread
 
     hooks = hooks or ConvertHooks()
     joined = False

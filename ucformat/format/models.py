@@ -10,7 +10,7 @@ may carry members these models do not know, at any level. It is validated with t
 them from the model; they stay in the stored document, which the digest covers.
 
 Values that come from Python training state (hyper-parameters, scheduler state, client state)
-are kept exact with the tagged encoding of :mod:`ucformat.pyvalue`; such fields are typed
+are kept exact with the tagged encoding of :mod:`ucformat.format.pyvalue`; such fields are typed
 ``JsonValue`` here.
 """
 
@@ -29,7 +29,7 @@ from pydantic import (
     model_validator,
 )
 
-from ucformat.spec import FORMAT_NAME, FORMAT_VERSION
+from ucformat.format.spec import FORMAT_NAME, FORMAT_VERSION
 
 __all__ = [
     "IGNORE_UNKNOWN",
@@ -47,14 +47,15 @@ __all__ = [
     "TrainingProgress",
 ]
 
-#: Must list exactly :data:`ucformat.dtypes.DTYPE_NAMES` (a unit test checks this).
+#: Must list exactly :data:`ucformat.format.dtypes.DTYPE_NAMES` (a unit test checks this).
 DTypeName = Literal[
     "float64", "float32", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8", "bool"
 ]
 
 
 #: JSON has no NaN or infinity: a plain float field refuses them instead of losing them.
-#: (Python values that may hold them go through :mod:`ucformat.pyvalue` as ``{"$float": ...}``.)
+#: (Python values that may hold them go through :mod:`ucformat.format.pyvalue` as
+#: ``{"$float": ...}``.)
 FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
 
 
@@ -143,7 +144,7 @@ class OptimizerGroup(_Model):
 
     params: list[str]
     hyperparams: dict[str, JsonValue] = Field(
-        description="Every param-group key except 'params', exact (see ucformat.pyvalue)."
+        description="Every param-group key except 'params', exact (see ucformat.format.pyvalue)."
     )
 
 

@@ -1,6 +1,7 @@
 """Generate ``schemas/manifest.schema.json`` from the manifest models.
 
-Run ``python -m ucformat.schema`` after changing :mod:`ucformat.models`; a test fails when the
+Run ``python -m ucformat.format.schema`` after changing :mod:`ucformat.format.models`; a test
+fails when the
 committed file and the models drift apart.
 """
 
@@ -11,12 +12,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ucformat.models import CheckpointManifest
-from ucformat.spec import FORMAT_VERSION
+from ucformat.format.models import CheckpointManifest
+from ucformat.format.spec import FORMAT_VERSION
 
 __all__ = ["SCHEMA_PATH", "manifest_json_schema", "render_schema"]
 
-SCHEMA_PATH = Path(__file__).resolve().parent.parent / "schemas" / "manifest.schema.json"
+SCHEMA_PATH = Path(__file__).resolve().parents[2] / "schemas" / "manifest.schema.json"
 
 
 def manifest_json_schema() -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""Execute one :class:`~ucformat.plan.ConvertPlan` on many processes: one writer per shard.
+"""Execute one :class:`~ucformat.write.plan.ConvertPlan` on many processes: one writer per shard.
 
 Every rank holds the same plan (each rank computes it; :func:`write_spread` checks that they
 agree). A fragment's tensor is either readable by any rank (a file: distributed convert), or
@@ -13,7 +13,7 @@ naming it on the others: a live save). Each unit has exactly one writer, chosen 
    ``exchange_budget`` bytes: one all-to-all per round moves exactly the missing runs from the
    ranks that hold them to the writer, which then writes the shard;
 4. every rank writes its other units with the converter's own writer
-   (:func:`ucformat.writer.write_units`, thread pool, streamed shard encoder);
+   (:func:`ucformat.write.execute.write_units`, thread pool, streamed shard encoder);
 5. rank 0 commits the manifest (:func:`ucformat.store.manifest_io.commit_manifest`).
 
 A failure anywhere makes every rank raise the same
@@ -31,14 +31,14 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ucformat.collective import Group, agree, exchange_bytes, fingerprint
-from ucformat.convert import discard_store, start_store
-from ucformat.dtypes import itemsize
+from ucformat.format.dtypes import itemsize
+from ucformat.format.models import CheckpointManifest
 from ucformat.layout.ownership import exchange_rounds
-from ucformat.models import CheckpointManifest
-from ucformat.plan import ConvertPlan, CopyItem, WriteUnit
 from ucformat.store.arrays import array_from_manifest
+from ucformat.store.lifecycle import discard_store, start_store
 from ucformat.store.manifest_io import commit_manifest
-from ucformat.writer import DEFAULT_WORKERS, create_arrays, write_units
+from ucformat.write.execute import DEFAULT_WORKERS, create_arrays, write_units
+from ucformat.write.plan import ConvertPlan, CopyItem, WriteUnit
 
 if TYPE_CHECKING:
     import torch
@@ -77,7 +77,7 @@ class MemoryTensor:
         """Wrap a contiguous CPU tensor (its bytes are shared, not copied)."""
         import torch
 
-        from ucformat.dtypes import dtype_name
+        from ucformat.format.dtypes import dtype_name
 
         flat = tensor.detach().reshape(-1)
         if flat.device.type != "cpu" or not flat.is_contiguous():
@@ -116,7 +116,7 @@ class MemoryTensor:
         """A copy of the whole tensor."""
         import torch
 
-        from ucformat.dtypes import torch_dtype
+        from ucformat.format.dtypes import torch_dtype
 
         return torch.frombuffer(bytearray(self.data.tobytes()), dtype=torch_dtype(self.dtype_name))
 

@@ -20,13 +20,13 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ucformat.dtypes import itemsize, numpy_storage_dtype, storage_to_torch, torch_dtype
+from ucformat.format.dtypes import itemsize, numpy_storage_dtype, storage_to_torch, torch_dtype
+from ucformat.format.models import ArrayRef
+from ucformat.format.spec import FP32_STATE
 from ucformat.layout.partition import Fragment, PartitionedFlatLayout, PerParamLayout
 from ucformat.layout.reads import ReadCost, range_read_cost
-from ucformat.models import ArrayRef
-from ucformat.reader import UniversalCheckpoint
-from ucformat.spec import FP32_STATE
-from ucformat.store.direct.memory import prefaulted_empty
+from ucformat.read.checkpoint import UniversalCheckpoint
+from ucformat.sysio.memory import prefaulted_empty
 
 __all__ = [
     "FlatTarget",

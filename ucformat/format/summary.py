@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ucformat.models import ArrayRef, CheckpointManifest, ParamEntry
-from ucformat.pyvalue import decode_for_display
-from ucformat.spec import FP32_STATE
+from ucformat.format.models import ArrayRef, CheckpointManifest, ParamEntry
+from ucformat.format.pyvalue import decode_for_display
+from ucformat.format.spec import FP32_STATE
 
 __all__ = ["ParamRow", "StoreSummary", "format_bytes", "summarize"]
 

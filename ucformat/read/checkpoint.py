@@ -18,18 +18,18 @@ from typing import Any
 import numpy as np
 import torch
 
-from ucformat.dtypes import numpy_storage_dtype, storage_to_torch, torch_dtype
 from ucformat.errors import ParamNotFoundError
+from ucformat.format.dtypes import numpy_storage_dtype, storage_to_torch, torch_dtype
+from ucformat.format.models import ArrayRef, CheckpointManifest, ScalarState
+from ucformat.format.spec import BUFFER_STATE, FP32_STATE, VALUE_STATE, shard_object_key
 from ucformat.layout.chunking import chunk_aligned_range
 from ucformat.layout.ranges import flat_range_to_boxes
-from ucformat.models import ArrayRef, CheckpointManifest, ScalarState
-from ucformat.spec import BUFFER_STATE, FP32_STATE, VALUE_STATE, shard_object_key
 from ucformat.store.arrays import Array, array_from_manifest, read_box
 from ucformat.store.checked import CheckedStore, IOStats
-from ucformat.store.direct.memory import prefaulted_empty
 from ucformat.store.direct.shard_read import NOT_APPLICABLE, check_flat_range, read_flat_range
 from ucformat.store.keys import Store, StoreLike, open_store
 from ucformat.store.manifest_io import read_manifest
+from ucformat.sysio.memory import prefaulted_empty
 
 __all__ = ["BUFFER_STATE", "UniversalCheckpoint", "open_checkpoint", "scalar_value"]
 

@@ -27,11 +27,11 @@ from collections.abc import Iterator, Sequence
 import crc32c
 import numpy as np
 
-from ucformat.dtypes import itemsize, torch_to_storage
+from ucformat.format.dtypes import itemsize, torch_to_storage
+from ucformat.format.models import ArrayRef
 from ucformat.layout.shards import ABSENT, CRC_BYTES, ChunkSlot, ShardLayout, shard_layout
-from ucformat.models import ArrayRef
-from ucformat.plan import CopyItem, WriteUnit
-from ucformat.store.direct.fileio import pwrite_all
+from ucformat.sysio.fileio import pwrite_all
+from ucformat.write.plan import CopyItem, WriteUnit
 
 __all__ = ["WINDOW_BYTES", "ShardEncoder", "encode_shard", "shard_of", "stream_shard"]
 
@@ -45,7 +45,7 @@ def shard_of(ref: ArrayRef, unit: WriteUnit) -> tuple[int, ...]:
 
 
 class ShardEncoder:
-    """Fills the chunks of one :class:`~ucformat.plan.WriteUnit`'s shard object.
+    """Fills the chunks of one :class:`~ucformat.write.plan.WriteUnit`'s shard object.
 
     Raises:
         ValueError: the array is 0-d or compressed, or its chunks are not flat-contiguous.

@@ -1,10 +1,11 @@
-"""Execute a :class:`~ucformat.plan.ConvertPlan`: create the arrays, fill each shard once.
+"""Execute a :class:`~ucformat.write.plan.ConvertPlan`: create the arrays, fill each shard once.
 
-Each :class:`~ucformat.plan.WriteUnit` (one shard) is filled straight from the source files and
+Each :class:`~ucformat.write.plan.WriteUnit` (one shard) is filled straight from the source files
+and
 stored as one object. Units are independent: they run on a thread pool here, and could run on
 many processes, each owning its units.
 
-Uncompressed shards (the default) are encoded by :mod:`ucformat.store.direct.shard_write`, not by
+Uncompressed shards (the default) are encoded by :mod:`ucformat.write.shard_encode`, not by
 zarr: on a local store each worker streams the shard object into its (temporary, then renamed) file
 through one small reused buffer, so memory is about ``workers x 4 MiB`` whatever the shard
 size; on any other store the whole object is built in one buffer and stored with one ``set``
@@ -21,15 +22,15 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from ucformat.dtypes import itemsize, numpy_storage_dtype, torch_to_storage
-from ucformat.models import ArrayRef
-from ucformat.plan import ConvertPlan, WriteUnit
-from ucformat.spec import shard_object_key
+from ucformat.format.dtypes import itemsize, numpy_storage_dtype, torch_to_storage
+from ucformat.format.models import ArrayRef
+from ucformat.format.spec import shard_object_key
 from ucformat.store.arrays import Array, write_region, write_shard
 from ucformat.store.arrays import create_arrays as create_array_group
 from ucformat.store.direct.objects import local_object
-from ucformat.store.direct.shard_write import WINDOW_BYTES, encode_shard, shard_of, stream_shard
 from ucformat.store.keys import Store
+from ucformat.write.plan import ConvertPlan, WriteUnit
+from ucformat.write.shard_encode import WINDOW_BYTES, encode_shard, shard_of, stream_shard
 
 __all__ = ["DEFAULT_WORKERS", "create_arrays", "fill_unit", "write_units"]
 
