@@ -36,7 +36,7 @@ from ucformat.format.pyvalue import decode
 from ucformat.format.spec import FP32_STATE, STEP_STATE
 from ucformat.read.checkpoint import BUFFER_STATE, UniversalCheckpoint, scalar_value
 from ucformat.torch.dtensor import LocalShard, local_shard, persistent_buffers
-from ucformat.torch.load import _merged_group, _torch_step
+from ucformat.torch.optim_groups import merged_group, torch_step_tensor
 
 __all__ = ["load_sharded"]
 
@@ -116,7 +116,7 @@ def _match_groups(
                 f"{[g.params for g in manifest.optimizer.groups]}); build the optimizer with the "
                 "training run's param groups. Nothing was loaded."
             )
-        matched.append((index, _merged_group(manifest, index, group, strict)))
+        matched.append((index, merged_group(manifest, index, group, strict)))
     return matched
 
 
@@ -229,7 +229,7 @@ def load_sharded(
             for key, values in read.states.items():
                 _set_state(state, key, read, values)
             for key, value in read.scalars.items():
-                state[key] = _torch_step(value) if key == STEP_STATE and torch_step else value
+                state[key] = torch_step_tensor(value) if key == STEP_STATE and torch_step else value
         for name, value in buffer_values.items():
             buffers[name].copy_(value.to(buffers[name].dtype))
     if optimizer is not None:
