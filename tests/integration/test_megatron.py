@@ -13,7 +13,10 @@ from typing import Any
 
 import pytest
 import torch
+from typer.testing import CliRunner
+from ucformat_cli.main import app
 
+import ucformat
 from tests.fixtures.megatron_cases import generate_megatron, truth_path
 
 pytestmark = pytest.mark.skipif(
@@ -44,3 +47,89 @@ def test_fixture_tp1_reload_reproduces_the_tp2_model(megatron_dir: Path, truth: 
         assert set(states) == {"param", "exp_avg", "exp_avg_sq"}, name
         assert torch.equal(states["param"], truth["weights"][name]), name
         assert states["exp_avg_sq"].abs().sum() > 0, name
+
+
+#: Megatron's local spec saves these module weights under TE-compatible keys
+#: (TransformerLayer's sharded_state_dict_keys_map); the store keeps the checkpoint's keys.
+_LOCAL_SPEC_KEYS = {
+    "input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
+    "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight",
+}
+
+
+def store_name(module_name: str) -> str:
+    """The store's name of a ``module.state_dict()`` name of the local-spec GPTModel."""
+    for old, new in _LOCAL_SPEC_KEYS.items():
+        if module_name.endswith(old):
+            return module_name[: -len(old)] + new
+    return module_name
+
+
+@pytest.fixture(scope="module")
+def stores(megatron_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Both checkpoints converted by the CLI with no flags."""
+    work = tmp_path_factory.mktemp("megatron")
+    out = {}
+    for sharding in ("fully_reshardable", "dp_reshardable"):
+        store = work / f"{sharding}.ucf"
+        result = CliRunner().invoke(app, ["convert", str(megatron_dir / sharding), str(store)])
+        assert result.exit_code == 0, result.output
+        out[sharding] = store
+    return out
+
+
+def test_convert_weights_and_optimizer_equal_megatron_tp1_reload(
+    stores: dict[str, Path], truth: dict
+) -> None:
+    ckpt = ucformat.open(stores["fully_reshardable"])
+    manifest = ckpt.manifest
+    assert manifest.megatron is not None and manifest.megatron.optimizer_stored
+    assert manifest.megatron.optimizer_sharding == "fully_reshardable"
+    assert set(manifest.params) == {store_name(n) for n in truth["weights"]}
+    for module_name, weight in truth["weights"].items():
+        name = store_name(module_name)
+        states = truth["optimizer"][module_name]
+        assert torch.equal(ckpt.read(name, "fp32"), states["param"]), name
+        assert torch.equal(ckpt.read(name, "fp32"), weight), name
+        for state in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(ckpt.read(name, state), states[state]), (name, state)
+        assert ckpt.read(name, "step") == 2.0
+        group = manifest.optimizer.groups[manifest.params[name].group]  # type: ignore[union-attr]
+        wd_mult = group.hyperparams["wd_mult"]
+        assert wd_mult == (0.0 if weight.dim() == 1 else 1.0), name
+    assert manifest.progress.global_steps == truth["iteration"]
+
+
+def test_convert_records_megatron_layout(stores: dict[str, Path], truth: dict) -> None:
+    layout = ucformat.open(stores["fully_reshardable"]).manifest.megatron
+    assert layout is not None and layout.num_layers == 2
+    qkv = layout.params["decoder.layers.1.self_attention.linear_qkv.weight"]
+    assert (qkv.key, qkv.layer) == ("decoder.layers.self_attention.linear_qkv.weight", 1)
+    assert qkv.fused is not None and qkv.fused.kind == "qkv"
+    assert (qkv.fused.num_query_groups, qkv.fused.heads_per_group, qkv.fused.head_dim) == (2, 2, 8)
+    # TP=2: each rank held one query group's rows
+    assert [(c.rank, c.offsets, c.sizes) for c in qkv.chunks] == [
+        (0, [0, 0], [32, 32]), (1, [32, 0], [32, 32]),
+    ]  # fmt: skip
+    fc1 = layout.params["decoder.layers.0.mlp.linear_fc1.weight"]
+    assert fc1.fused is not None and (fc1.fused.kind, fc1.fused.sizes) == ("gate_up", [48, 48])
+    # SwiGLU: each rank held its slice of the gate half and of the up half
+    assert [(c.rank, c.offsets[0]) for c in fc1.chunks] == [(0, 0), (0, 48), (1, 24), (1, 72)]
+    proj = layout.params["decoder.layers.0.self_attention.linear_proj.weight"]
+    assert [c.offsets for c in proj.chunks] == [[0, 0], [0, 16]]  # row-parallel: split on dim 1
+
+
+def test_dp_reshardable_optimizer_is_model_only_and_inspect_says_so(
+    stores: dict[str, Path], truth: dict
+) -> None:
+    ckpt = ucformat.open(stores["dp_reshardable"])
+    assert ckpt.manifest.optimizer is None
+    layout = ckpt.manifest.megatron
+    assert layout is not None and not layout.optimizer_stored
+    assert layout.optimizer_sharding == "dp_reshardable"
+    for module_name, weight in truth["weights"].items():
+        assert torch.equal(ckpt.read(store_name(module_name), "fp32"), weight), module_name
+    shown = CliRunner().invoke(app, ["inspect", str(stores["dp_reshardable"])]).output
+    assert "optimizer dp_reshardable: model only" in shown
+    shown = CliRunner().invoke(app, ["inspect", str(stores["fully_reshardable"])]).output
+    assert "optimizer fully_reshardable (stored)" in shown
