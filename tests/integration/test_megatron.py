@@ -133,3 +133,52 @@ def test_dp_reshardable_optimizer_is_model_only_and_inspect_says_so(
     assert "optimizer dp_reshardable: model only" in shown
     shown = CliRunner().invoke(app, ["inspect", str(stores["fully_reshardable"])]).output
     assert "optimizer fully_reshardable (stored)" in shown
+
+
+def test_hf_llama_export_gives_megatron_logits(
+    stores: dict[str, Path], truth: dict, tmp_path: Path
+) -> None:
+    """``export safetensors --names hf-llama`` → transformers LlamaForCausalLM (eager attention)
+    built from the exported config.json: the Megatron TP=1 model's logits. float32 throughout;
+    the two implementations order RMSNorm, RoPE and softmax differently, which moves logits of
+    magnitude < 1 by a few ulps (6e-8 measured): atol 1e-6."""
+    import json
+
+    from safetensors.torch import load_file
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from tests.fixtures._megatron_worker import MODEL, _tokens
+
+    out = tmp_path / "hf"
+    args = ["export", "safetensors", str(stores["fully_reshardable"]), str(out)]
+    result = CliRunner().invoke(app, [*args, "--names", "hf-llama"])
+    assert result.exit_code == 0, result.output
+    config = json.loads((out / "config.json").read_text())
+    assert (config["num_attention_heads"], config["num_key_value_heads"]) == (4, 2)
+    assert config["intermediate_size"] == MODEL["ffn_hidden_size"]
+    llama_config = LlamaConfig(**config)
+    llama_config._attn_implementation = "eager"
+    model = LlamaForCausalLM(llama_config).eval()
+    weights = load_file(out / "model.safetensors")
+    model.load_state_dict(weights, strict=True)
+    # the split is per query group, not a plain cut of the fused rows
+    qkv = truth["weights"]["decoder.layers.0.self_attention.linear_qkv.weight"]
+    assert not torch.equal(weights["model.layers.0.self_attn.q_proj.weight"], qkv[:32])
+    torch.testing.assert_close(
+        weights["model.layers.0.self_attn.k_proj.weight"], torch.cat([qkv[16:24], qkv[48:56]])
+    )
+    with torch.no_grad():
+        logits = model(input_ids=_tokens(0)[:, :-1]).logits
+    torch.testing.assert_close(logits, truth["logits"], rtol=0, atol=1e-6)
+
+
+def test_hf_llama_names_refuse_a_store_not_from_megatron(tmp_path: Path) -> None:
+    from ucformat.errors import UnsupportedExportError
+    from ucformat.export.safetensors import export_safetensors
+
+    store = Path(__file__).resolve().parents[1] / "fixtures" / "data"
+    source = next(store.glob("*/ckpt"))
+    converted = tmp_path / "ds.ucf"
+    ucformat.convert(source, converted)
+    with pytest.raises(UnsupportedExportError, match="maps Megatron-Core GPT parameters"):
+        export_safetensors(converted, tmp_path / "hf", names="hf-llama")
