@@ -65,7 +65,8 @@ METADATA_JSON = "metadata.json"
 LAYER_PREFIX = "decoder.layers."
 _OPTIMIZER_STATE = "optimizer.state."
 #: The distributed optimizer's formats that hold per-parameter state in model space.
-RESHARDABLE = frozenset({"fully_reshardable", "fully_sharded_model_space"})
+#: (``fully_sharded_model_space`` stores flattened slices instead and is not read yet.)
+RESHARDABLE = frozenset({"fully_reshardable"})
 _DATA_FILE = re.compile(r"^__(\d+)_\d+\.distcp$")
 #: Megatron-LM ``args`` kept in the manifest: what shapes the model (and its fused layouts).
 MODEL_ARGS = (
@@ -157,10 +158,12 @@ class _Describer:
         for key, entry in entries.items():
             if isinstance(entry, DcpTensor) and key.startswith(_OPTIMIZER_STATE):
                 state, _, owner = key[len(_OPTIMIZER_STATE) :].partition(".")
-                if owner not in entries:
+                weight = entries.get(owner)
+                if not isinstance(weight, DcpTensor) or weight.shape != entry.shape:
                     raise LayoutMismatchError(
-                        f"{self.folder}: optimizer state '{key}' names '{owner}', which is not a "
-                        "weight of the checkpoint; the files are damaged."
+                        f"{self.folder}: optimizer state '{key}' has shape {list(entry.shape)}; "
+                        f"expected the shape of the weight '{owner}' "
+                        f"({list(weight.shape) if isinstance(weight, DcpTensor) else 'absent'})."
                     )
                 states.setdefault(owner, {})[state] = key
         num_layers = self._num_layers(weights)
@@ -238,9 +241,13 @@ class _Describer:
         if sharding is None:
             return False, ""
         if sharding not in RESHARDABLE:
+            what = (
+                "holds flat per-bucket buffers tied to the saving job's layout"
+                if sharding.startswith("dp_")
+                else "is not read yet"
+            )
             return False, (
-                f"the distributed optimizer's '{sharding}' format holds flat per-bucket "
-                "buffers tied to the saving job's layout; save with "
+                f"the distributed optimizer's '{sharding}' format {what}; save with "
                 "distrib_optim_sharding_type='fully_reshardable' to keep the optimizer"
             )
         if not states:
