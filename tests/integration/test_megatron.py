@@ -182,3 +182,30 @@ def test_hf_llama_names_refuse_a_store_not_from_megatron(tmp_path: Path) -> None
     ucformat.convert(source, converted)
     with pytest.raises(UnsupportedExportError, match="maps Megatron-Core GPT parameters"):
         export_safetensors(converted, tmp_path / "hf", names="hf-llama")
+
+
+def test_without_training_args_qkv_is_kept_but_not_split(
+    megatron_dir: Path, tmp_path: Path
+) -> None:
+    """A checkpoint saved without Megatron-LM's ``args`` (plain dist_checkpointing.save) converts;
+    the head counts are unknown, so the manifest says so and the Llama export refuses."""
+    import shutil
+
+    from ucformat.errors import UnsupportedExportError
+    from ucformat.export.safetensors import export_safetensors
+
+    folder = tmp_path / "no-args"
+    shutil.copytree(megatron_dir / "fully_reshardable", folder)
+    common = torch.load(folder / "common.pt", weights_only=False)
+    del common["args"]
+    torch.save(common, folder / "common.pt")
+    store = tmp_path / "no-args.ucf"
+    ucformat.convert(folder, store)
+    layout = ucformat.open(store).manifest.megatron
+    assert layout is not None and layout.model_args == {}
+    fused = layout.params["decoder.layers.0.self_attention.linear_qkv.weight"].fused
+    assert fused is not None and not fused.known and fused.num_query_groups is None
+    gate_up = layout.params["decoder.layers.0.mlp.linear_fc1.weight"].fused
+    assert gate_up is not None and gate_up.sizes == [48, 48]  # from linear_fc2's width
+    with pytest.raises(UnsupportedExportError, match="does not record the attention head counts"):
+        export_safetensors(store, tmp_path / "hf", names="hf-llama")

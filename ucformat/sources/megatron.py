@@ -464,6 +464,6 @@ def _wd_split(groups: list[dict[str, Any]]) -> tuple[int, int] | None:
     if len(groups) != 2:
         return None
     mults = [g.get("wd_mult") for g in groups]
-    if sorted(mults, key=str) != sorted([1.0, 0.0], key=str) and set(mults) != {1.0, 0.0}:
+    if set(mults) != {1.0, 0.0}:
         return None
     return (mults.index(1.0), mults.index(0.0))
