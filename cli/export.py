@@ -99,6 +99,13 @@ def safetensors_command(
     buffers: Annotated[
         bool, typer.Option("--buffers/--no-buffers", help="Include persistent buffers.")
     ] = True,
+    names: Annotated[
+        str,
+        typer.Option(
+            help="Tensor names: 'store' (as stored) or 'hf-llama' (a Megatron-Core GPT store as "
+            "Hugging Face Llama: q/k/v and gate/up split, config.json)."
+        ),
+    ] = "store",
     overwrite: Overwrite = False,
     dry_run: DryRun = False,
     quiet: Quiet = False,
@@ -120,6 +127,7 @@ def safetensors_command(
             overwrite=overwrite,
             dry_run=dry_run,
             hooks=hooks,
+            names=names,
         ),
     )
 

@@ -29,6 +29,7 @@ from pydantic import (
     model_validator,
 )
 
+from ucformat.format.megatron import MegatronLayout
 from ucformat.format.spec import FORMAT_NAME, FORMAT_VERSION
 
 __all__ = [
@@ -265,6 +266,11 @@ class CheckpointManifest(_Model):
     optimizer: OptimizerInfo | None = None
     progress: TrainingProgress = Field(default_factory=TrainingProgress)
     client_state: ClientState = Field(default_factory=ClientState)
+    megatron: MegatronLayout | None = Field(
+        default=None,
+        exclude_if=lambda value: value is None,  # absent unless the source is Megatron-Core
+        description="Megatron-Core source layout (ucformat.format.megatron); absent otherwise.",
+    )
     digest: str | None = Field(
         default=None, description="sha256 of the canonical manifest JSON without this field."
     )

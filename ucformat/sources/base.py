@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ucformat.format.dtypes import dtype_name
+from ucformat.format.megatron import MegatronLayout
 from ucformat.format.models import (
     ClientState,
     OptimizerInfo,
@@ -118,6 +119,8 @@ class SourceCheckpoint:
     #: Called by :meth:`close` after the files: releases what a reader shares between them
     #: (the DCP reader's one descriptor per data file).
     closers: list[Callable[[], None]] = field(default_factory=list, repr=False)
+    #: The Megatron-Core layout (``manifest.megatron``), for a ``torch_dist`` source.
+    megatron: MegatronLayout | None = None
 
     def check_integrity(self) -> int:
         """Check every storage member read so far against its file's zip CRC-32.
