@@ -313,10 +313,13 @@ def _exchange(plan: list[tuple[_Array, UnitWrite]]) -> None:
     ops = []
     received: list[tuple[LiveTensor, int, torch.Tensor, str]] = []
     tag = 0
+    starts: dict[str, list[int]] = {}
     for array, unit in plan:
         for piece in unit.transfers:
             tag += 1
-            owner = max((o for o in array.holders if o.start <= piece.start), key=lambda o: o.start)
+            if array.path not in starts:  # holders are in flat order (run_owners)
+                starts[array.path] = [o.start for o in array.holders]
+            owner = array.holders[bisect.bisect_right(starts[array.path], piece.start) - 1]
             offset = piece.start - owner.start
             mine = array.mine(owner) if piece.rank == me else None
             if mine is not None:

@@ -185,7 +185,7 @@ def load_sharded(
 ) -> None:
     """Fill ``model`` (DTensor parameters) and ``optimizer`` from ``ckpt``; fill ``report``."""
     started = time.perf_counter()
-    before = ckpt.stats.bytes_read
+    before, requests_before = ckpt.stats.bytes_read, ckpt.stats.requests
     manifest = ckpt.manifest
     params = dict(model.named_parameters())
     buffers = persistent_buffers(model)
@@ -240,4 +240,5 @@ def load_sharded(
     report.client_state = {k: decode(v) for k, v in manifest.client_state.values.items()}
     report.bytes_read = ckpt.stats.bytes_read - before
     report.bytes_needed = needed
+    report.requests = ckpt.stats.requests - requests_before
     report.seconds = time.perf_counter() - started
