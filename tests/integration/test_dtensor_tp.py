@@ -67,10 +67,15 @@ def test_dcp_source_loads_into_tp_targets(
         assert sum(result["bytes_read"]) <= 1.1 * needed
     else:  # Shard(1) column blocks read whole rows of row-chunked arrays (docs/benchmarks.md)
         assert sum(result["bytes_read"]) <= 2.0 * needed
+    placements = result["placements"]  # the target really holds the layouts under test
     if layout == "fsdp2tp":
-        placements = result["placements"]
-        assert "_StridedShard" in placements["up.weight"]
-        assert "Shard(dim=1)" in placements["down.weight"]
+        assert placements["up.weight"] == "(_StridedShard(dim=0, sf=2), Shard(dim=0))"
+        assert placements["down.weight"] == "(Shard(dim=0), Shard(dim=1))"
+        assert placements["down.bias"] == "(Shard(dim=0), Replicate())"
+    elif layout == "tp":
+        assert placements["down.weight"] == "(Shard(dim=1),)"
+        assert placements["down.bias"] == "(Replicate(),)"
+        assert placements["norm.weight"] == "plain"
 
 
 @pytest.mark.parametrize(
