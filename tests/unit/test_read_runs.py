@@ -18,12 +18,16 @@ from ucformat.layout.reads import range_read_cost
 from ucformat.torch.dtensor import placement_of
 
 
-@pytest.fixture(scope="module")
-def store(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, torch.Tensor]:
+@pytest.fixture(scope="module", params=[640, 80], ids=["4-row-chunks", "half-row-chunks"])
+def store(
+    tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
+) -> tuple[Path, torch.Tensor]:
+    """Weight [30, 40] fp32 in chunks of 4 whole rows (a column block's runs merge into one
+    read) or of 20 elements (half a row: the runs of a column block stay apart)."""
     torch.manual_seed(0)
-    model = torch.nn.Linear(40, 30, bias=False)  # weight [30, 40]
+    model = torch.nn.Linear(40, 30, bias=False)
     path = tmp_path_factory.mktemp("runs") / "w.ucf"
-    uctorch.save(model, None, path, chunk_bytes=640, shard_bytes=2560)  # 4-row chunks
+    uctorch.save(model, None, path, chunk_bytes=request.param, shard_bytes=2560)
     return path, model.weight.detach().clone()
 
 
