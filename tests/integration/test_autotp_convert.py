@@ -85,6 +85,12 @@ def test_autotp_manifest_describes_the_split(autotp: dict[str, Path], tmp_path: 
     piece = o.shards[1].pieces[0]
     assert (piece.shape, piece.source_offset, piece.source_strides) == ([64, 32], 32, [64, 1])
     assert o.shards[1].shard_shape == [64, 32]
+    from ucformat.format.summary import summarize
+
+    header = summarize(manifest).header
+    assert header["tensor parallel"] == (
+        "deepspeed-autotp, degree 2: 15 split, 6 replicated, 0 other (arrays hold full shapes)"
+    )
 
 
 def _copy(src: Path, dst: Path) -> Path:
