@@ -60,9 +60,10 @@ def shard_maps(engine: Any) -> dict[str, ShardMap] | None:
         shard = ShardMap.build(
             raw["logical_shape"], entry["shard_shape"], pieces, f"engine param '{name}'"
         )
-        if list(shard.shard_shape) != list(param.shape):
+        local = list(getattr(param, "ds_shape", None) or param.shape)  # ZeRO-3: ds_shape
+        if list(shard.shard_shape) != local:
             raise UnsupportedCheckpointError(
-                f"engine param '{name}' has shape {list(param.shape)} but its affine map says "
+                f"engine param '{name}' has shape {local} but its affine map says "
                 f"{list(shard.shard_shape)} for tp rank {rank}."
             )
         out[name] = shard
