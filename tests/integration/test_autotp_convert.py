@@ -136,3 +136,29 @@ def test_autotp_missing_rank_file(autotp: dict[str, Path], tmp_path: Path) -> No
     (folder / "zero_pp_rank_1_mp_rank_01_optim_states.pt").unlink()
     with pytest.raises(SourceNotFoundError, match="zero_pp_rank_1_mp_rank_01"):
         ucformat.convert(folder, tmp_path / "store")
+
+
+def test_autotp_native_export_round_trips(autotp: dict[str, Path], tmp_path: Path) -> None:
+    """``export deepspeed --tp 2`` at another dp and stage, converted back: the same arrays
+    (a stock engine loads such an export: tests/integration/test_autotp_load.py)."""
+    from tests.cli.helpers import invoke
+
+    store = tmp_path / "store"
+    ucformat.convert(autotp["tp2dp1-z1-fp32"] / "ckpt", store)
+    out = tmp_path / "native"
+    args = ("export", "deepspeed", store, out, "--world-size", "4", "--tp", "2", "--stage", "2")
+    result = invoke(*args)
+    assert result.exit_code == 0, result.output
+    assert "tp2 x dp2 ZeRO-2" in result.stdout
+    assert (out / TAG / "zero_pp_rank_1_mp_rank_01_optim_states.pt").is_file()
+    back = ucformat.convert(out, tmp_path / "back")
+    assert back.source.world_size == 2 and back.source.zero_stage == 2
+    assert back.tensor_parallel == ucformat.open(store).manifest.tensor_parallel
+    a, b = ucformat.open(store), ucformat.open(tmp_path / "back")
+    for name, entry in a.manifest.params.items():
+        for state in entry.states:
+            assert torch.equal(a.read(name, state), b.read(name, state)), (name, state)
+    refused = invoke("export", "deepspeed", store, tmp_path / "x", "--world-size", "4", "--tp", "4",
+                     "--stage", "1")  # fmt: skip
+    assert refused.exit_code == 2
+    assert "needs the store's shard layout at that degree (found tp 2)" in refused.output

@@ -4,7 +4,8 @@ Stores converted from AutoTP checkpoints (tests/fixtures/autotp_cases.py) are lo
 tp1 x dp2, tp2 x dp1 and across ZeRO stages 1 <-> 2, and a data-parallel-only store (saved live
 from a tp1 engine) is loaded into a tp2 engine. Each is compared, field by field, with the same
 engine after DeepSpeed's ``load_checkpoint`` of its ``ds_to_universal`` output, then both train
-one more step: equal losses, equal state.
+one more step: equal losses, equal state. One more load compares ucformat's load with a stock
+``load_checkpoint`` of the store's native AutoTP export (``export deepspeed --tp 2``).
 """
 
 from __future__ import annotations
