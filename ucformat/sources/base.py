@@ -23,6 +23,7 @@ from ucformat.format.models import (
     TrainingProgress,
 )
 from ucformat.format.pyvalue import describe_type
+from ucformat.format.tensor_parallel import TensorParallelInfo
 from ucformat.sources.torchfile import TensorRef, TorchFile
 
 if TYPE_CHECKING:
@@ -121,6 +122,8 @@ class SourceCheckpoint:
     closers: list[Callable[[], None]] = field(default_factory=list, repr=False)
     #: The Megatron-Core layout (``manifest.megatron``), for a ``torch_dist`` source.
     megatron: MegatronLayout | None = None
+    #: How the source split parameters over tensor-parallel ranks (None: it did not).
+    tensor_parallel: TensorParallelInfo | None = None
 
     def check_integrity(self) -> int:
         """Check every storage member read so far against its file's zip CRC-32.

@@ -161,6 +161,7 @@ def plan_convert(source: SourceCheckpoint, options: ConvertOptions) -> ConvertPl
         progress=source.progress,
         client_state=source.client_state,
         megatron=source.megatron,
+        tensor_parallel=source.tensor_parallel,
     )
     units = tuple(
         unit
