@@ -29,6 +29,7 @@ from pydantic import (
     model_validator,
 )
 
+from ucformat.format.pipeline import PipelineLayout
 from ucformat.format.spec import FORMAT_NAME, FORMAT_VERSION
 
 __all__ = [
@@ -229,6 +230,9 @@ class SourceInfo(_Model):
     mesh_dim_names: list[str] | None = Field(default=None, description="Names of the mesh dims.")
     files: list[SourceFile] = Field(default_factory=list)
     ds_config: JsonValue = None
+    pipeline: PipelineLayout | None = Field(
+        default=None, description="Pipeline-parallel layout of the source; None: no pipeline."
+    )
 
     @model_validator(mode="after")
     def _check_framework(self) -> SourceInfo:
