@@ -12,15 +12,16 @@ import pytest
 import torch
 
 import ucformat
+import ucformat.torch as uctorch
 from tests.conftest import deepspeed_available
 from tests.fixtures.pp_cases import CASES, by_name
-from ucformat.errors import LayoutMismatchError
+from ucformat.errors import LayoutMismatchError, UnsupportedCheckpointError
 
 pytestmark = pytest.mark.deepspeed
 
-CONVERTIBLE = [c.name for c in CASES if not c.tied_bias]
+CONVERTIBLE = [c.name for c in CASES if not c.tied_bias and (c.stage, c.dtype) != (0, "fp32")]
 #: ds_to_universal fails on ZeRO-0 pipelines ("param_shapes must contain dictionaries").
-UNIVERSAL = [c.name for c in CASES if not c.tied_bias and c.stage == 1]
+UNIVERSAL = [c for c in CONVERTIBLE if by_name(c).stage == 1]
 STATES = ("fp32", "exp_avg", "exp_avg_sq")
 
 
@@ -128,3 +129,37 @@ def test_diverged_tied_copies_are_refused_naming_the_param(
         "tied param 'tied_modules.embed.bias': its 'fp32' differs between pipeline stages 0 and 1"
     )
     assert not (tmp_path / "s" / "ucformat.json").exists()
+
+
+def test_fp32_zero0_pipelines_are_refused_in_one_line(
+    pipeline_cases: dict[str, Path], tmp_path: Path
+) -> None:
+    # No ZeRO wrapper: each stage's torch optimizer state is saved by position only.
+    with pytest.raises(UnsupportedCheckpointError) as info:
+        ucformat.convert(pipeline_cases["pp2dp1-z0-fp32-tied"] / "ckpt", tmp_path / "s")
+    message = str(info.value)
+    assert "\n" not in message
+    assert message.endswith(
+        "(ZeRO-0 in fp32: each stage's optimizer state is saved by position, without parameter "
+        "names or param_shapes); ucformat reads pipeline checkpoints trained with ZeRO-1 or bf16."
+    )
+
+
+@pytest.mark.parametrize("case", ["pp2dp2-z1-bf16-tied", "pp2dp1-z1-bf16"])
+def test_pipeline_store_loads_into_a_plain_torch_model(
+    case: str, pipeline_cases: dict[str, Path], tmp_path: Path
+) -> None:
+    from tests.fixtures._pp_load_worker import Plain
+    from tests.fixtures.pp_cases import LR
+
+    spec = by_name(case)
+    ucformat.convert(pipeline_cases[case] / "ckpt", tmp_path / "store")
+    model = Plain(spec, seed=5)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    uctorch.load(model, optimizer, tmp_path / "store")
+    truth = _truth(pipeline_cases[case], spec.pp)
+    for name, param in model.named_parameters():
+        assert torch.equal(param.detach(), truth[name]["fp32"]), name
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(optimizer.state[param][key], truth[name][key]), (name, key)
+        assert float(optimizer.state[param]["step"]) == 3.0

@@ -136,8 +136,8 @@ def find_pipeline_files(folder: Path, tag: str) -> PipelineFiles:
     if not optim:
         raise UnsupportedCheckpointError(
             f"{folder}: pipeline checkpoint without *_optim_states.pt shards (ZeRO-0 in fp32: "
-            "the optimizer is kept whole in the model-states files); ucformat reads pipeline "
-            "checkpoints with ZeRO-1 or bf16 (BF16_Optimizer)."
+            "each stage's optimizer state is saved by position, without parameter names or "
+            "param_shapes); ucformat reads pipeline checkpoints trained with ZeRO-1 or bf16."
         )
     if len(prefixes) > 1:
         raise LayoutMismatchError(
