@@ -63,3 +63,23 @@ class PipelineLayout(_PipelineModel):
     def num_stages(self) -> int:
         """Pipeline-parallel degree."""
         return len(self.stages)
+
+    def describe(self) -> str:
+        """One line for ``inspect``, e.g. ``2 stages x dp 1: [0-1], [3-5] + tied embed``.
+
+        >>> PipelineLayout(stages=[PipelineStage(layers=[0, 1]), PipelineStage(layers=[3, 4, 5],
+        ...     tied=["embed"])], data_parallel=1).describe()
+        '2 stages x dp 1; layers per stage: [0-1], [3-5] + tied embed'
+        """
+        parts = []
+        for stage in self.stages:
+            layers = stage.layers
+            text = f"[{layers[0]}-{layers[-1]}]" if len(layers) > 1 else str(layers or "[]")
+            if layers and layers != list(range(layers[0], layers[-1] + 1)):
+                text = "[" + ",".join(map(str, layers)) + "]"
+            parts.append(text + (" + tied " + ",".join(stage.tied) if stage.tied else ""))
+        method = f", partition {self.partition_method}" if self.partition_method else ""
+        return (
+            f"{self.num_stages} stages x dp {self.data_parallel}{method}; layers per stage: "
+            + ", ".join(parts)
+        )

@@ -63,6 +63,8 @@ def summarize(manifest: CheckpointManifest) -> StoreSummary:
         "progress": f"global_steps {progress.global_steps}, global_samples "
         f"{progress.global_samples}, skipped_steps {progress.skipped_steps}",
     }
+    if source.pipeline is not None:
+        header["pipeline"] = source.pipeline.describe()
     if progress.loss_scaler is not None:
         header["loss scaler"] = (
             f"{progress.loss_scaler.class_name} scale {progress.loss_scaler.cur_scale:g}"
