@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from ucformat.deepspeed.engine import EngineView, describe_engine
+from ucformat.deepspeed.pipeline import other_stage_names
 from ucformat.deepspeed.tensor_parallel import logical_fragments, shard_maps
 from ucformat.errors import LoadAbortedError, ModelMismatchError, UCFormatError
 from ucformat.format.models import CheckpointManifest
@@ -318,7 +319,7 @@ def _compare_models(
 ) -> None:
     params = dict(view.engine.module.named_parameters())
     wanted = trainable | set(frozen)
-    stored = set(manifest.params)
+    stored = set(manifest.params) - other_stage_names(view.engine.module, manifest.params)
     problems: list[str] = []
     report.missing = sorted(n for n in wanted if not _has(manifest, n))
     report.unexpected = sorted(stored - {manifest.resolve(n) for n in wanted})

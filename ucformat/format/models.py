@@ -30,6 +30,7 @@ from pydantic import (
 )
 
 from ucformat.format.megatron import MegatronLayout
+from ucformat.format.pipeline import PipelineLayout
 from ucformat.format.spec import FORMAT_NAME, FORMAT_VERSION
 from ucformat.format.tensor_parallel import TensorParallelInfo
 
@@ -231,6 +232,11 @@ class SourceInfo(_Model):
     mesh_dim_names: list[str] | None = Field(default=None, description="Names of the mesh dims.")
     files: list[SourceFile] = Field(default_factory=list)
     ds_config: JsonValue = None
+    pipeline: PipelineLayout | None = Field(
+        default=None,
+        exclude_if=lambda value: value is None,  # absent unless the source was a pipeline
+        description="Pipeline-parallel layout of the source; absent: no pipeline.",
+    )
 
     @model_validator(mode="after")
     def _check_framework(self) -> SourceInfo:

@@ -73,6 +73,8 @@ def summarize(manifest: CheckpointManifest) -> StoreSummary:
             f"{kinds.count('replicated')} replicated, {kinds.count('affine')} other "
             "(arrays hold full shapes)"
         )
+    if source.pipeline is not None:
+        header["pipeline"] = source.pipeline.describe()
     if progress.loss_scaler is not None:
         header["loss scaler"] = (
             f"{progress.loss_scaler.class_name} scale {progress.loss_scaler.cur_scale:g}"

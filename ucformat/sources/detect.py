@@ -9,6 +9,7 @@ from ucformat.errors import UnsupportedCheckpointError
 from ucformat.sources.base import SourceCheckpoint
 from ucformat.sources.dcp import is_dcp_folder, read_dcp_checkpoint
 from ucformat.sources.deepspeed.checkpoint import read_deepspeed_checkpoint
+from ucformat.sources.deepspeed.pipeline import is_pipeline_folder, read_pipeline_checkpoint
 from ucformat.sources.megatron import is_megatron_folder, read_megatron_checkpoint
 from ucformat.sources.safe_unpickle import PicklePolicy
 
@@ -49,4 +50,6 @@ def read_source(
             f"{src}: has no DCP .metadata file; --model-key/--optimizer-key apply to PyTorch "
             "Distributed Checkpoint folders only."
         )
+    if is_pipeline_folder(src, tag):
+        return read_pipeline_checkpoint(src, tag, policy, check_crc=check_crc)
     return read_deepspeed_checkpoint(src, tag, policy, check_crc=check_crc)
