@@ -29,6 +29,7 @@ from pydantic import (
     model_validator,
 )
 
+from ucformat.format.experts import ExpertLayout
 from ucformat.format.spec import FORMAT_NAME, FORMAT_VERSION
 
 __all__ = [
@@ -218,7 +219,9 @@ class SourceInfo(_Model):
     )
     path: str
     tag: str
-    zero_stage: int | None = Field(default=None, ge=1, le=3, description="DeepSpeed only.")
+    zero_stage: int | None = Field(
+        default=None, ge=0, le=3, description="DeepSpeed only (0: no ZeRO, MoE checkpoints)."
+    )
     world_size: int = Field(ge=1, description="Data-parallel world size that wrote the state.")
     train_dtype: DTypeName
     optimizer_wrapper: str = ""
@@ -265,6 +268,9 @@ class CheckpointManifest(_Model):
     optimizer: OptimizerInfo | None = None
     progress: TrainingProgress = Field(default_factory=TrainingProgress)
     client_state: ClientState = Field(default_factory=ClientState)
+    experts: ExpertLayout | None = Field(
+        default=None, description="Expert-parallel (MoE) layout; absent for dense checkpoints."
+    )
     digest: str | None = Field(
         default=None, description="sha256 of the canonical manifest JSON without this field."
     )

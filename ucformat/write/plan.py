@@ -160,6 +160,7 @@ def plan_convert(source: SourceCheckpoint, options: ConvertOptions) -> ConvertPl
         optimizer=source.optimizer,
         progress=source.progress,
         client_state=source.client_state,
+        experts=source.experts,
     )
     units = tuple(
         unit

@@ -1,0 +1,84 @@
+"""DeepSpeed native MoE (``deepspeed.moe.layer.MoE``) checkpoints in and out.
+
+The checkpoints are written by DeepSpeed itself (tests/fixtures/moe_cases.py: ep2 at W=2 and
+ep2 x dp2 at W=4, top-1 and top-2 gating, ZeRO-0/1/2, one ep1 run), each with the training job's
+own gathered state under global expert names (``truth.pt``). There is no DeepSpeed oracle:
+``ds_to_universal`` fails on these checkpoints.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import ucformat
+from tests.conftest import deepspeed_available
+from tests.fixtures.moe_cases import CASES, generate_moe
+
+pytestmark = pytest.mark.skipif(not deepspeed_available(), reason="DeepSpeed is not installed")
+
+EXPERTS = ".deepspeed_experts."
+
+
+@pytest.fixture(scope="module")
+def moe_cases() -> dict[str, Path]:
+    return generate_moe()
+
+
+@pytest.fixture(scope="module")
+def moe_stores(
+    moe_cases: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, Path]:
+    work = tmp_path_factory.mktemp("moe")
+    stores = {}
+    for name, folder in moe_cases.items():
+        stores[name] = work / f"{name}.ucf"
+        ucformat.convert(folder / "ckpt", stores[name])
+    return stores
+
+
+def _truth(folder: Path) -> dict[str, Any]:
+    truth: dict[str, Any] = torch.load(folder / "truth.pt", weights_only=True)
+    return truth
+
+
+@pytest.mark.parametrize("name", [c.name for c in CASES])
+def test_every_expert_state_equals_the_training_jobs_own(
+    name: str, moe_cases: dict[str, Path], moe_stores: dict[str, Path]
+) -> None:
+    case = next(c for c in CASES if c.name == name)
+    truth = _truth(moe_cases[name])["params"]
+    ckpt = ucformat.open(moe_stores[name])
+    manifest = ckpt.manifest
+    assert set(manifest.params) == set(truth)
+    experts = [n for n in truth if EXPERTS in n]
+    assert len(experts) == 2 * 4 * 4  # 2 layers x 4 global experts x 4 params
+    for pname, states in truth.items():
+        for key, want in states.items():
+            got = ckpt.read(pname, key)
+            if key == "step":
+                assert float(got) == float(want), (pname, key)
+            else:
+                assert torch.equal(torch.as_tensor(got).reshape(want.shape), want), (pname, key)
+    assert manifest.source.zero_stage == case.stage
+    assert manifest.source.world_size == case.world_size
+    assert manifest.experts is not None
+    assert manifest.experts.ep_size == case.ep_size
+    assert [layer.num_experts for layer in manifest.experts.layers] == [4, 4]
+    assert sorted(manifest.experts.param_names()) == sorted(experts)
+    assert [layer.gate for layer in manifest.experts.layers] == [
+        "moe1.deepspeed_moe.gate.wg.weight",
+        "moe2.deepspeed_moe.gate.wg.weight",
+    ]
+
+
+def test_distinct_experts_are_not_swapped(moe_cases: dict[str, Path]) -> None:
+    """The fixture is able to catch a local/global mix-up: EP ranks' experts differ."""
+    truth = _truth(moe_cases["ep2-z1-top2-ws2"])["params"]
+    prefix = "moe1.deepspeed_moe.experts.deepspeed_experts"
+    first = truth[f"{prefix}.0.up.weight"]["fp32"]
+    third = truth[f"{prefix}.2.up.weight"]["fp32"]
+    assert not torch.equal(first, third)
