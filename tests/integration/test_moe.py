@@ -82,3 +82,63 @@ def test_distinct_experts_are_not_swapped(moe_cases: dict[str, Path]) -> None:
     first = truth[f"{prefix}.0.up.weight"]["fp32"]
     third = truth[f"{prefix}.2.up.weight"]["fp32"]
     assert not torch.equal(first, third)
+
+
+#: (source case, target world size, target ep_size, target ZeRO stage)
+LOADS: tuple[tuple[str, int, int, int], ...] = (
+    ("ep2-z1-top2-ws2", 2, 1, 1),  # ep2 -> ep1
+    ("ep1-z1-top1-ws2", 2, 2, 2),  # ep1 -> ep2
+    ("ep2-z2-top2-ws4", 2, 2, 1),  # ep2 x dp2 -> ep2 x dp1
+    ("ep2-z0-top1-ws2", 4, 2, 2),  # ep2 x dp1 (ZeRO-0) -> ep2 x dp2
+    ("ep2-z2-top2-ws4", 4, 4, 1),  # ep2 -> ep4
+)
+
+
+def _load_name(load: tuple[str, int, int, int]) -> str:
+    source, world, ep, stage = load
+    return f"{source}-to-ep{ep}-z{stage}-ws{world}"
+
+
+@pytest.fixture(scope="module")
+def moe_loads(
+    moe_cases: dict[str, Path],
+    moe_stores: dict[str, Path],
+    tmp_path_factory: pytest.TempPathFactory,
+) -> dict[str, dict[str, Any]]:
+    from tests.fixtures.moe_cases import run_moe_loads
+
+    jobs = []
+    for load in LOADS:
+        source, world, ep, stage = load
+        case = next(c for c in CASES if c.name == source)
+        name = _load_name(load)
+        target = {"name": name, "world_size": world, "ep_size": ep, "stage": stage, "k": case.k}
+        jobs.append({
+            "name": name,
+            "case": {**target, "steps": case.steps},
+            "store": str(moe_stores[source]),
+            "truth": str(moe_cases[source] / "truth.pt"),
+            "first_step": case.steps,
+        })  # fmt: skip
+    return run_moe_loads(jobs, tmp_path_factory.mktemp("moe-loads"))
+
+
+@pytest.mark.parametrize("load", LOADS, ids=_load_name)
+def test_resume_at_another_ep_and_dp_is_exact_and_continues_the_run(
+    load: tuple[str, int, int, int],
+    moe_loads: dict[str, dict[str, Any]],
+    moe_stores: dict[str, Path],
+) -> None:
+    """Every state the rank holds equals the source job's (exact), the next losses equal the
+    uninterrupted run's, and each rank read its experts and ZeRO partition only."""
+    source, world, ep, _ = load
+    ranks = moe_loads[_load_name(load)]["ranks"]
+    assert len(ranks) == world
+    manifest = ucformat.open(moe_stores[source]).manifest
+    experts = sum(4 * 3 * p.numel for n, p in manifest.params.items() if EXPERTS in n)
+    dense = sum(4 * 3 * p.numel for n, p in manifest.params.items() if EXPERTS not in n)
+    for rank in ranks:
+        assert rank["failures"] == []
+        assert 0 < rank["bytes_needed"] <= rank["bytes_read"]
+        # its own experts (1/ep of them, or a ZeRO part of those) and at most the dense params
+        assert rank["bytes_needed"] <= dense + experts // ep
