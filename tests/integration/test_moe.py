@@ -8,6 +8,7 @@ own gathered state under global expert names (``truth.pt``). There is no DeepSpe
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -142,3 +143,64 @@ def test_resume_at_another_ep_and_dp_is_exact_and_continues_the_run(
         assert 0 < rank["bytes_needed"] <= rank["bytes_read"]
         # its own experts (1/ep of them, or a ZeRO part of those) and at most the dense params
         assert rank["bytes_needed"] <= dense + experts // ep
+
+
+def test_inspect_shows_experts_as_layer_by_experts_by_shape(moe_stores: dict[str, Path]) -> None:
+    from tests.cli.helpers import invoke
+
+    result = invoke("inspect", moe_stores["ep2-z1-top2-ws2"])
+    assert result.exit_code == 0, result.stderr
+    out = result.stdout
+    assert "moe1.deepspeed_moe.experts.deepspeed_experts.[0-3].up.weight    4x12x8" in out
+    assert "deepspeed_experts.3.up.weight" not in out
+    assert "experts: 2 MoE layers x 4 experts, 32 expert params" in out
+    rows = [ln for ln in out.splitlines() if "float32  " in ln]
+    assert len(rows) == 8 + 2 * 4  # dense params + (layer x per-expert param)
+    one = invoke("inspect", moe_stores["ep2-z1-top2-ws2"], "--param", "*experts.3.up.weight")
+    assert "moe2.deepspeed_moe.experts.deepspeed_experts.3.up.weight" in one.stdout
+
+
+def _copy(folder: Path, tmp_path: Path) -> Path:
+    tag = tmp_path / "global_step3"
+    shutil.copytree(folder / "ckpt" / "global_step3", tag)
+    return tag
+
+
+@pytest.mark.parametrize(
+    ("rename", "fragments"),
+    [
+        (
+            "layer_0_expert_1_mp_rank_01_model_states.pt",
+            ("tensor-parallel expert files (layer_0_expert_1_mp_rank_01_model_states.pt)",),
+        ),
+        (
+            "expert_1_mp_rank_00_model_states.pt",
+            ("unsupported layout (expert_1_mp_rank_00_model_states.pt)", "Megatron-DeepSpeed"),
+        ),
+    ],
+)
+def test_out_of_scope_expert_layouts_are_refused_in_one_line_naming_the_files(
+    rename: str, fragments: tuple[str, ...], moe_cases: dict[str, Path], tmp_path: Path
+) -> None:
+    from tests.cli.helpers import assert_user_error, invoke
+
+    tag = _copy(moe_cases["ep2-z1-top2-ws2"], tmp_path)
+    (tag / "layer_0_expert_1_mp_rank_00_model_states.pt").rename(tag / rename)
+    assert_user_error(invoke("convert", tag, tmp_path / "out.ucf"), *fragments)
+    assert not (tmp_path / "out.ucf").exists()
+
+
+def test_autoep_and_missing_expert_files_are_refused(
+    moe_cases: dict[str, Path], tmp_path: Path
+) -> None:
+    from tests.cli.helpers import assert_user_error, invoke
+
+    tag = _copy(moe_cases["ep2-z2-top1-ws2"], tmp_path)
+    model = tag / "mp_rank_00_model_states.pt"
+    meta = torch.load(model, weights_only=False)
+    meta["ds_autoep_layers"] = [{"moe_layer_id": 0}]
+    torch.save(meta, model)
+    assert_user_error(invoke("convert", tag, tmp_path / "a.ucf"), "AutoEP", str(model))
+    tag2 = _copy(moe_cases["ep2-z2-top1-ws2"], tmp_path / "b")
+    (tag2 / "layer_1_expert_2_mp_rank_00_model_states.pt").unlink()
+    assert_user_error(invoke("convert", tag2, tmp_path / "b.ucf"), "no file for expert(s) [2]")
