@@ -204,3 +204,44 @@ def test_autoep_and_missing_expert_files_are_refused(
     tag2 = _copy(moe_cases["ep2-z2-top1-ws2"], tmp_path / "b")
     (tag2 / "layer_1_expert_2_mp_rank_00_model_states.pt").unlink()
     assert_user_error(invoke("convert", tag2, tmp_path / "b.ucf"), "no file for expert(s) [2]")
+
+
+def test_safetensors_export_names_experts_by_global_id(
+    moe_cases: dict[str, Path], moe_stores: dict[str, Path], tmp_path: Path
+) -> None:
+    from safetensors.torch import load_file
+
+    from tests.cli.helpers import invoke
+
+    result = invoke("export", "safetensors", moe_stores["ep2-z2-top2-ws4"], tmp_path / "hf")
+    assert result.exit_code == 0, result.stderr
+    tensors: dict[str, torch.Tensor] = {}
+    for path in sorted((tmp_path / "hf").glob("*.safetensors")):
+        tensors.update(load_file(path))
+    truth = _truth(moe_cases["ep2-z2-top2-ws4"])["params"]
+    assert set(tensors) == set(truth)
+    for name, states in truth.items():
+        assert torch.equal(tensors[name], states["fp32"]), name
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+def test_an_ep2_store_loads_into_the_same_network_without_expert_parallelism(
+    moe_cases: dict[str, Path], moe_stores: dict[str, Path]
+) -> None:
+    """Global names are those of an ep_size 1 model: ucformat.torch.load needs nothing more."""
+    from tests.fixtures._moe_worker import MoeNet
+
+    model = MoeNet(1, 2)
+    named = list(model.named_parameters())
+    optimizer = torch.optim.AdamW(
+        [
+            {"params": [p for n, p in named if EXPERTS not in n]},
+            {"params": [p for n, p in named if EXPERTS in n]},
+        ],
+        lr=1e-2,
+    )
+    ucformat.torch.load(model, optimizer, moe_stores["ep2-z2-top2-ws4"])
+    truth = _truth(moe_cases["ep2-z2-top2-ws4"])["params"]
+    for name, param in named:
+        assert torch.equal(param.detach(), truth[name]["fp32"]), name
+        assert torch.equal(optimizer.state[param]["exp_avg_sq"], truth[name]["exp_avg_sq"]), name
