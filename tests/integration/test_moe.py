@@ -245,3 +245,14 @@ def test_an_ep2_store_loads_into_the_same_network_without_expert_parallelism(
     for name, param in named:
         assert torch.equal(param.detach(), truth[name]["fp32"]), name
         assert torch.equal(optimizer.state[param]["exp_avg_sq"], truth[name]["exp_avg_sq"]), name
+
+
+@pytest.mark.parametrize("target", ["deepspeed", "deepspeed-universal"])
+def test_deepspeed_exports_of_moe_stores_are_refused_in_one_line(
+    target: str, moe_stores: dict[str, Path], tmp_path: Path
+) -> None:
+    from tests.cli.helpers import assert_user_error, invoke
+
+    extra = ("--world-size", "2", "--stage", "1") if target == "deepspeed" else ()
+    result = invoke("export", target, moe_stores["ep2-z1-top2-ws2"], tmp_path / "out", *extra)
+    assert_user_error(result, f"'export {target}'", "2 MoE layers (source ep_size 2)")
