@@ -9,6 +9,9 @@ ranks ``[i * W/ep, (i + 1) * W/ep)`` and expert-parallel groups strided by ``W/e
 
 from __future__ import annotations
 
+from pathlib import Path
+from types import SimpleNamespace
+
 import pytest
 
 from ucformat.errors import LayoutMismatchError
@@ -72,3 +75,13 @@ def test_impossible_layouts_are_refused() -> None:
         ExpertRanks(2, 2, 3)
     with pytest.raises(LayoutMismatchError, match="outside"):
         ExpertRanks(2, 2, 4).global_id(0, 2)
+
+
+def test_live_save_of_an_moe_engine_is_refused_before_anything_is_written(tmp_path: Path) -> None:
+    import ucformat
+    from ucformat.errors import UCFormatError
+
+    engine = SimpleNamespace(has_moe_layers=True)
+    with pytest.raises(UCFormatError, match="live saves of MoE engines are not supported yet"):
+        ucformat.deepspeed.save(engine, tmp_path / "moe.ucf")
+    assert not (tmp_path / "moe.ucf").exists()
