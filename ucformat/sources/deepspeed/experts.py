@@ -74,7 +74,7 @@ def find_expert_files(folder: Path, names: Sequence[str]) -> ExpertFiles | None:
     Raises:
         UnsupportedCheckpointError: expert files of a layout ucformat does not read (tensor-parallel
             experts, Megatron-DeepSpeed or other naming), naming the files.
-        SourceNotFoundError-like LayoutMismatchError: a layer's or EP rank's file is missing.
+        LayoutMismatchError: a layer's expert file or an EP rank's optimizer file is missing.
     """
     expert_like = [n for n in names if _ANY_EXPERT.search(n)]
     if not expert_like:
@@ -176,16 +176,15 @@ def _layer(layer: int, ids: Mapping[int, TorchFile], meta: Mapping[str, Any]) ->
     first = ids[0]
     if not isinstance(first.obj, Mapping) or not first.obj:
         raise NotACheckpointError(f"{first.path}: not a DeepSpeed expert model-states file.")
-    prefix, suffixes = None, []
-    for name in first.obj:
-        parts = expert_id(str(name))
-        if parts is None or parts[1] != 0 or prefix not in (None, parts[0]):
+    split = [expert_id(str(name)) for name in first.obj]
+    prefix = split[0][0] if split[0] is not None else ""
+    suffixes = []
+    for name, parts in zip(first.obj, split, strict=True):
+        if parts is None or parts[1] != 0 or parts[0] != prefix:
             raise LayoutMismatchError(
                 f"{first.path}: key '{name}' is not a parameter of expert 0 of one MoE layer."
             )
-        prefix = parts[0]
         suffixes.append(parts[2])
-    assert prefix is not None
     for e, handle in ids.items():
         expected = [f"{prefix}.{e}.{s}" for s in suffixes]
         if not isinstance(handle.obj, Mapping) or list(handle.obj) != expected:
@@ -300,9 +299,9 @@ def _zero0_states(
 
 
 def _gid(name: str) -> int:
+    """The expert id of an expert parameter name (built by this module: always one)."""
     parts = expert_id(name)
-    assert parts is not None
-    return parts[1]
+    return parts[1] if parts is not None else -1
 
 
 def _zero0_group(
