@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from ucformat.deepspeed.engine import EngineView, describe_engine
+from ucformat.deepspeed.experts import held_elsewhere
 from ucformat.deepspeed.pipeline import other_stage_names
 from ucformat.deepspeed.tensor_parallel import logical_fragments, shard_maps
 from ucformat.errors import LoadAbortedError, ModelMismatchError, UCFormatError
@@ -117,7 +118,7 @@ def load(
     manifest = ckpt.manifest
     report = LoadReport()
     trainable = {name for t in view.targets for name in t.names}
-    frozen = _frozen_params(engine, trainable, load_module_extras)
+    frozen = _frozen_params(view, trainable, load_module_extras)
     buffers = _buffers(engine) if load_module_extras else {}
     _compare_models(
         view, manifest, trainable, frozen, buffers, report, load_optimizer_states, strict
@@ -290,11 +291,11 @@ def _has_states(manifest: CheckpointManifest, name: str, keys: list[str]) -> boo
 
 
 def _frozen_params(
-    engine: Any, trainable: set[str], enabled: bool
+    view: EngineView, trainable: set[str], enabled: bool
 ) -> dict[str, torch.nn.Parameter]:
     if not enabled:
         return {}
-    return {n: p for n, p in engine.module.named_parameters() if n not in trainable}
+    return {n: p for n, p in view.named_parameters() if n not in trainable}
 
 
 def _buffers(engine: Any) -> dict[str, torch.Tensor]:
@@ -317,12 +318,13 @@ def _compare_models(
     with_optimizer: bool,
     strict: bool,
 ) -> None:
-    params = dict(view.engine.module.named_parameters())
+    params = dict(view.named_parameters())
     wanted = trainable | set(frozen)
     stored = set(manifest.params) - other_stage_names(view.engine.module, manifest.params)
     problems: list[str] = []
     report.missing = sorted(n for n in wanted if not _has(manifest, n))
-    report.unexpected = sorted(stored - {manifest.resolve(n) for n in wanted})
+    elsewhere = held_elsewhere(view.engine, manifest, wanted)  # other EP ranks' experts
+    report.unexpected = sorted(stored - {manifest.resolve(n) for n in wanted} - elsewhere)
     if report.missing:
         problems.append(f"missing from the store: {', '.join(report.missing)}")
     if report.unexpected:
@@ -440,12 +442,17 @@ def _restore_optimizer(
         same_class = stored_class == type(optimizer).__name__
         for live, saved in zip(optimizer.param_groups, groups, strict=True):
             for name, hyper in saved.hyperparams.items():
-                if name != "params" and (same_class or name in live):
+                if name not in _GROUP_IDENTITY and (same_class or name in live):
                     live[name] = decode(hyper)
         report.restored.append("param-group hyper-parameters")
     view.relink_optimizer_state()
     keys = ", ".join(manifest.optimizer.state_keys) if manifest.optimizer else ""
     report.restored.append(f"optimizer states ({keys}) and step")
+
+
+#: Param-group keys that say which group it is, not how it trains ('name' and 'moe': DeepSpeed
+#: MoE groups, e.g. 'ep_size_2'): the engine's own values stay.
+_GROUP_IDENTITY = frozenset({"params", "name", "moe"})
 
 
 def _restore_progress(

@@ -29,6 +29,7 @@ from pydantic import (
     model_validator,
 )
 
+from ucformat.format.experts import ExpertLayout
 from ucformat.format.megatron import MegatronLayout
 from ucformat.format.pipeline import PipelineLayout
 from ucformat.format.spec import FORMAT_NAME, FORMAT_VERSION
@@ -221,7 +222,9 @@ class SourceInfo(_Model):
     )
     path: str
     tag: str
-    zero_stage: int | None = Field(default=None, ge=1, le=3, description="DeepSpeed only.")
+    zero_stage: int | None = Field(
+        default=None, ge=0, le=3, description="DeepSpeed only (0: no ZeRO, MoE checkpoints)."
+    )
     world_size: int = Field(ge=1, description="Data-parallel world size that wrote the state.")
     train_dtype: DTypeName
     optimizer_wrapper: str = ""
@@ -282,6 +285,11 @@ class CheckpointManifest(_Model):
         default=None,
         exclude_if=lambda value: value is None,
         description="How the source split parameters over tensor-parallel ranks (absent: none).",
+    )
+    experts: ExpertLayout | None = Field(
+        default=None,
+        exclude_if=lambda value: value is None,
+        description="Expert-parallel (MoE) layout; absent for dense checkpoints.",
     )
     digest: str | None = Field(
         default=None, description="sha256 of the canonical manifest JSON without this field."

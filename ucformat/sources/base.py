@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ucformat.format.dtypes import dtype_name
+from ucformat.format.experts import ExpertLayout
 from ucformat.format.megatron import MegatronLayout
 from ucformat.format.models import (
     ClientState,
@@ -117,6 +118,8 @@ class SourceCheckpoint:
     progress: TrainingProgress
     client_state: ClientState
     files: list[TorchFile] = field(default_factory=list, repr=False)
+    #: Expert-parallel (MoE) layout; None for a dense checkpoint.
+    experts: ExpertLayout | None = None
     #: Called by :meth:`close` after the files: releases what a reader shares between them
     #: (the DCP reader's one descriptor per data file).
     closers: list[Callable[[], None]] = field(default_factory=list, repr=False)

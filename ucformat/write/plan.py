@@ -162,6 +162,7 @@ def plan_convert(source: SourceCheckpoint, options: ConvertOptions) -> ConvertPl
         client_state=source.client_state,
         megatron=source.megatron,
         tensor_parallel=source.tensor_parallel,
+        experts=source.experts,
     )
     units = tuple(
         unit

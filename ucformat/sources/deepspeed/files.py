@@ -22,6 +22,7 @@ from ucformat.errors import (
     SourceNotFoundError,
     UnsupportedCheckpointError,
 )
+from ucformat.sources.deepspeed.experts import ExpertFiles, find_expert_files
 
 __all__ = [
     "BF16_PREFIX",
@@ -69,7 +70,6 @@ _OPTIM = re.compile(
 _MODEL_Z3 = re.compile(r"^zero_pp_rank_(?P<dp>\d+)_mp_rank_(?P<mp>\d+)_model_states\.pt$")
 _MODEL_Z12 = re.compile(r"^mp_rank_(?P<mp>\d+)_model_states\.pt$")
 _PIPELINE = re.compile(r"^layer_\d+-model_\d+-model_states\.pt$|^layer_\d+-model_states\.pt$")
-_EXPERT = re.compile(r"^expp_rank_|^expert_|_expert_")
 
 
 @dataclass(frozen=True)
@@ -82,6 +82,8 @@ class ZeroFiles:
     model_files: tuple[Path, ...]
     optim_files: tuple[Path, ...]
     per_rank_model_files: bool
+    #: Native MoE expert files (:mod:`ucformat.sources.deepspeed.experts`); None without MoE.
+    experts: ExpertFiles | None = None
 
     @property
     def world_size(self) -> int:
@@ -144,14 +146,13 @@ def find_zero_files(folder: Path, tag: str, mp_rank: int | None = None) -> ZeroF
         LayoutMismatchError: files from different runs are mixed.
     """
     names = sorted(p.name for p in folder.iterdir() if p.is_file())
+    experts = find_expert_files(folder, names)
+    if experts is not None:
+        names = list(experts.other)
     if any(_PIPELINE.match(n) for n in names):
         raise UnsupportedCheckpointError(
             f"{folder}: pipeline-parallel layer files (layer_*-model_states.pt) found; ucformat "
             "converts data-parallel ZeRO checkpoints only."
-        )
-    if any(_EXPERT.search(n) for n in names):
-        raise UnsupportedCheckpointError(
-            f"{folder}: MoE expert files found; ucformat does not convert expert parallelism yet."
         )
     model_z12 = [n for n in names if (m := _MODEL_Z12.match(n)) and _wanted(m["mp"], mp_rank)]
     model_z3 = {
@@ -189,6 +190,8 @@ def find_zero_files(folder: Path, tag: str, mp_rank: int | None = None) -> ZeroF
             f"{folder}: no DeepSpeed model-states file ({model_states_file()} or "
             f"{model_states_file(0)}); not a DeepSpeed checkpoint folder."
         )
+    if not optim and experts is not None and experts.expp_optim and model_z12:
+        return ZeroFiles(folder, tag, (folder / model_z12[0],), experts.expp_optim, False, experts)
     if not optim:
         raise UnsupportedCheckpointError(
             f"{folder}: has model states but no *_optim_states.pt shards; ucformat converts "
@@ -233,6 +236,7 @@ def find_zero_files(folder: Path, tag: str, mp_rank: int | None = None) -> ZeroF
         model_files=model_files,
         optim_files=tuple(folder / optim[r] for r in range(world_size)),
         per_rank_model_files=bool(model_z3),
+        experts=experts,
     )
 
 
