@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ucformat.errors import NotACheckpointError
+from ucformat.errors import NotACheckpointError, UnsupportedCheckpointError
 
 __all__ = ["KNOWN_LAYOUTS", "TOP_LEVEL", "DcpLayout", "resembles", "split_layout"]
 
@@ -172,6 +172,33 @@ def split_layout(
     return layout
 
 
+def _fused_siblings(owner: str, params: dict[str, str]) -> list[str]:
+    """Weights that ``owner`` fuses: ``a.wq.weight``, ``a.wk.weight``, ``a.wv.weight`` for
+    ``a.wqkv.weight`` (same parent and leaf, module names ``<p><s1>``, ``<p><s2>``, ... whose
+    suffixes, in saving order, spell the owner's ``<p><s1><s2>...``)."""
+    parent, _, rest = owner.rpartition(".")
+    module_path, _, leaf = parent.rpartition(".")
+    fused = leaf
+    siblings = [
+        name
+        for name in params
+        if name.rpartition(".")[2] == rest
+        and name.rpartition(".")[0].rpartition(".")[0] == module_path
+    ]
+    modules = [name.rpartition(".")[0].rpartition(".")[2] for name in siblings]
+    for cut in range(1, len(fused)):
+        stem, left = fused[:cut], fused[cut:]
+        parts = []
+        for index, module in enumerate(modules):
+            suffix = module[cut:]
+            if module.startswith(stem) and suffix and left.startswith(suffix):
+                parts.append(siblings[index])
+                left = left[len(suffix) :]
+        if len(parts) > 1 and not left:
+            return parts
+    return []
+
+
 def _optimizer_entry(
     layout: DcpLayout, key: str, rest: str, kinds: set[str], where: str, keys: list[str]
 ) -> None:
@@ -179,6 +206,15 @@ def _optimizer_entry(
     owner, _, name = body.rpartition(".")
     if section == "state" and owner:
         if owner not in layout.params:
+            fused = _fused_siblings(owner, layout.params)
+            if fused:
+                raise UnsupportedCheckpointError(
+                    f"{where}: the weights are saved split ({', '.join(fused)}) but the optimizer "
+                    f"state is under the fused '{owner}' (torchtitan's fuse_qkv state-dict hook: "
+                    "the fused rows interleave per KV head, which the checkpoint does not record); "
+                    "save the checkpoint with the fused weights (the model's own state_dict, no "
+                    "split hook) or without fuse_qkv, then convert it."
+                )
             raise NotACheckpointError(
                 f"{where}: optimizer state '{key}' belongs to '{owner}', which is not a weight of "
                 f"the model section '{layout.model_key}'"
