@@ -272,6 +272,9 @@ def accelerate_command(
             min=1,
         ),
     ] = None,
+    index: Annotated[
+        int, typer.Option(help="Write pytorch_model_fsdp_I/ and optimizer_I/.", min=0)
+    ] = 0,
     overwrite: Overwrite = False,
     dry_run: DryRun = False,
     quiet: Quiet = False,
@@ -282,7 +285,13 @@ def accelerate_command(
         quiet,
         dry_run,
         lambda hooks: _exporters().export_accelerate(
-            store, out, world_size=world_size, overwrite=overwrite, dry_run=dry_run, hooks=hooks
+            store,
+            out,
+            world_size=world_size,
+            index=index,
+            overwrite=overwrite,
+            dry_run=dry_run,
+            hooks=hooks,
         ),
     )
 

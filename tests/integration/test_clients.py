@@ -126,3 +126,49 @@ def test_split_weights_with_fused_optimizer_state_are_refused_in_one_line(tmp_pa
     assert "\n" not in message and "--model-key" not in message
     assert f"{attn}.wq.weight, {attn}.wk.weight, {attn}.wv.weight" in message
     assert f"fused '{attn}.wqkv.weight'" in message
+
+
+def test_accelerate_folder_of_two_models_converts_model_by_model(tmp_path: Path) -> None:
+    """``save_state`` of two prepared models (folders ``_0``, ``_1``, as Accelerate names them,
+    written with stock dcp.save): the folder is refused in one line; ``pytorch_model_fsdp_1/``
+    converts with its ``optimizer_1/``, and ``export accelerate --index 1`` writes that pair."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+
+    from tests.fixtures.models import build_model
+    from ucformat.errors import UnsupportedCheckpointError
+
+    root = tmp_path / "checkpoint_0"
+    models = {}
+    for index, name in enumerate(("simple", "multi")):
+        model, groups = build_model(name, seed=index)
+        opt = torch.optim.AdamW(groups, lr=0.01)
+        inputs = torch.randn(2, model.in_features)
+        model(inputs).sum().backward()
+        opt.step()
+        dcp.save({"model": get_model_state_dict(model)},
+                 checkpoint_id=str(root / f"pytorch_model_fsdp_{index}"))  # fmt: skip
+        dcp.save({"optimizer": get_optimizer_state_dict(model, opt)},
+                 checkpoint_id=str(root / f"optimizer_{index}"))  # fmt: skip
+        models[index] = (model, opt)
+    with pytest.raises(UnsupportedCheckpointError) as info:
+        ucformat.convert(root, tmp_path / "all.ucf")
+    assert "\n" not in str(info.value) and "pytorch_model_fsdp_I" in str(info.value)
+
+    _cli("convert", str(root / "pytorch_model_fsdp_1"), str(tmp_path / "m1.ucf"))
+    store = ucformat.open(tmp_path / "m1.ucf")
+    model, opt = models[1]
+    for name, param in model.named_parameters():
+        assert store.read(name, "fp32").equal(param.detach())
+        assert store.read(name, "exp_avg").equal(opt.state[param]["exp_avg"])
+    _cli("export", "accelerate", str(tmp_path / "m1.ucf"), str(tmp_path / "out"), "--index", "1")
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [
+        "optimizer_1", "pytorch_model_fsdp_1"]  # fmt: skip
+    _cli("convert", str(tmp_path / "out" / "pytorch_model_fsdp_1"), str(tmp_path / "back.ucf"))
+    back = ucformat.open(tmp_path / "back.ucf")
+    for name in store.manifest.params:
+        assert back.read(name, "exp_avg_sq").equal(store.read(name, "exp_avg_sq"))

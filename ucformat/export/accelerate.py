@@ -28,8 +28,8 @@ from ucformat.store.keys import StoreLike
 
 __all__ = ["export_accelerate"]
 
-MODEL_FOLDER = "pytorch_model_fsdp_0"
-OPTIMIZER_FOLDER = "optimizer_0"
+MODEL_FOLDER = "pytorch_model_fsdp_{index}"
+OPTIMIZER_FOLDER = "optimizer_{index}"
 
 
 def _link_or_copy(src: Path, dst: Path) -> None:
@@ -44,6 +44,7 @@ def export_accelerate(
     out: str | Path,
     *,
     world_size: int | None = None,
+    index: int = 0,
     overwrite: bool = False,
     dry_run: bool = False,
     hooks: ExportHooks | None = None,
@@ -55,6 +56,8 @@ def export_accelerate(
         out: the ``save_state`` folder (created if missing; its other files are kept).
         world_size: ranks whose FSDP2 shards the data files hold (default: the source's);
             stock DCP reshards on load, so any world size resumes it.
+        index: write model and optimizer ``index`` (``pytorch_model_fsdp_<index>/``,
+            ``optimizer_<index>/``), for a run that prepared several.
         overwrite: replace the two folders if they exist.
         dry_run: plan only; write nothing.
         hooks: progress callbacks.
@@ -66,7 +69,8 @@ def export_accelerate(
         >>> ucformat.export.export_accelerate("ckpt.ucf", "out/checkpoint_0")  # doctest: +SKIP
     """
     folder = Path(out)
-    model_dir, optim_dir = folder / MODEL_FOLDER, folder / OPTIMIZER_FOLDER
+    model_name, optim_name = MODEL_FOLDER.format(index=index), OPTIMIZER_FOLDER.format(index=index)
+    model_dir, optim_dir = folder / model_name, folder / optim_name
     for sub in (model_dir, optim_dir):
         if sub.exists() and any(sub.iterdir()) and not overwrite:
             raise StoreExistsError(
@@ -80,14 +84,14 @@ def export_accelerate(
     result = export_dcp(
         store, model_dir, world_size=world_size, layout="nested", dry_run=dry_run, hooks=hooks
     )
-    files = [f"{MODEL_FOLDER}/{name}" for name in result.files]
+    files = [f"{model_name}/{name}" for name in result.files]
     if not dry_run:
         optim_dir.mkdir()
         for child in sorted(model_dir.iterdir()):
             _link_or_copy(child, optim_dir / child.name)
-    files += [f"{OPTIMIZER_FOLDER}/{name}" for name in result.files]
+    files += [f"{optim_name}/{name}" for name in result.files]
     summary = (
-        f"Accelerate save_state folder ({MODEL_FOLDER}/, {OPTIMIZER_FOLDER}/): "
+        f"Accelerate save_state folder ({model_name}/, {optim_name}/): "
         f"{result.summary}); resume with accelerator.load_state({str(folder)!r})"
     )
     return ExportResult(

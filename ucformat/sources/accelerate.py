@@ -8,9 +8,10 @@ whose state is ``{"model": <model state dict>}``), ``DIR/optimizer_<i>/`` (``{"o
 The two DCP folders' keys are disjoint (``model.*``, ``optimizer.*``), so their metadata merge
 into one key space whose items name ``<folder>/__<rank>_<n>.distcp`` relative to ``DIR``; the
 DCP reader (:mod:`~ucformat.sources.dcp`) then reads model ``i`` with its optimizer as one
-checkpoint (when both folders hold the same checkpoint, as ``ucformat export accelerate``
-writes them, it is read once). A DeepSpeed-backed Accelerate folder is a DeepSpeed run
-folder (``latest`` names ``pytorch_model``) and needs nothing here.
+checkpoint; ``DIR/pytorch_model_fsdp_<i>/`` given alone is read with its ``optimizer_<i>/``
+(the way to convert model ``i`` of several). When both folders hold the same checkpoint, as
+``ucformat export accelerate`` writes them, it is read once. A DeepSpeed-backed Accelerate
+folder is a DeepSpeed run folder (``latest`` names ``pytorch_model``) and needs nothing here.
 """
 
 from __future__ import annotations
@@ -25,7 +26,13 @@ from ucformat.sources.dcp import read_dcp_checkpoint
 from ucformat.sources.dcp_metadata import METADATA_NAME, DcpMetadata, read_dcp_metadata
 from ucformat.sources.safe_unpickle import PicklePolicy
 
-__all__ = ["MODEL_FOLDER", "OPTIMIZER_FOLDER", "is_accelerate_folder", "read_accelerate_state"]
+__all__ = [
+    "MODEL_FOLDER",
+    "OPTIMIZER_FOLDER",
+    "accelerate_model_index",
+    "is_accelerate_folder",
+    "read_accelerate_state",
+]
 
 #: Folder names ``save_state`` gives model ``i`` and optimizer ``i`` under FSDP2.
 MODEL_FOLDER = "pytorch_model_fsdp_{index}"
@@ -42,6 +49,16 @@ def model_indexes(src: Path) -> list[int]:
             if match and (child / METADATA_NAME).is_file():
                 found.append(int(match.group(1)))
     return sorted(found)
+
+
+def accelerate_model_index(src: Path) -> int | None:
+    """``i`` when ``src`` is ``pytorch_model_fsdp_<i>/`` beside an ``optimizer_<i>/`` DCP folder."""
+    match = _MODEL_RE.match(Path(src).name)
+    if match is None:
+        return None
+    index = int(match.group(1))
+    sibling = Path(src).parent / OPTIMIZER_FOLDER.format(index=index) / METADATA_NAME
+    return index if sibling.is_file() else None
 
 
 def is_accelerate_folder(src: Path) -> bool:
@@ -72,7 +89,8 @@ def read_accelerate_state(
     if index is None and len(indexes) > 1:
         raise UnsupportedCheckpointError(
             f"{folder}: an Accelerate save_state folder of {len(indexes)} models "
-            f"(pytorch_model_fsdp_{indexes}); convert one at a time with --model-index I."
+            f"(pytorch_model_fsdp_{indexes}); convert one at a time: ucformat convert "
+            f"{folder}/pytorch_model_fsdp_I (its optimizer_I/ is read with it)."
         )
     index = indexes[0] if index is None and indexes else index
     if index not in indexes:

@@ -5,7 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 
 from ucformat.errors import UnsupportedCheckpointError
-from ucformat.sources.accelerate import is_accelerate_folder, read_accelerate_state
+from ucformat.sources.accelerate import (
+    accelerate_model_index,
+    is_accelerate_folder,
+    read_accelerate_state,
+)
 from ucformat.sources.base import SourceCheckpoint
 from ucformat.sources.dcp import is_dcp_folder, read_dcp_checkpoint
 from ucformat.sources.deepspeed.checkpoint import read_deepspeed_checkpoint
@@ -36,6 +40,9 @@ def read_source(
         UnsupportedCheckpointError: an option of one format was given for the other.
         UCFormatError: whatever the chosen reader raises.
     """
+    index = accelerate_model_index(src)
+    if index is not None and tag is None and model_key is None and optimizer_key is None:
+        return unwrap_names(read_accelerate_state(Path(src).parent, index=index, policy=policy))
     if is_dcp_folder(src):
         if tag is not None:
             raise UnsupportedCheckpointError(
