@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from ucformat.errors import LayoutMismatchError, UnsupportedCheckpointError
 from ucformat.layout.partition import PartitionedFlatLayout, PerParamLayout
+from ucformat.layout.tensor_parallel import ShardMap
 from ucformat.read.partitions import FlatTarget
 
 __all__ = ["EngineView", "describe_engine"]
@@ -34,6 +35,8 @@ class EngineView:
     fp32: list[torch.Tensor]
     #: id(param) -> fqn (owner names; tied aliases resolve to their owner).
     names: dict[int, str]
+    #: AutoTP: per fqn, this rank's shard of the full parameter (None: no tensor parallelism).
+    shard_maps: dict[str, ShardMap] | None = None
 
     @property
     def base_optimizer(self) -> torch.optim.Optimizer:

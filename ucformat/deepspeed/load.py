@@ -28,6 +28,8 @@ from typing import Any
 import torch
 
 from ucformat.deepspeed.engine import EngineView, describe_engine
+from ucformat.deepspeed.pipeline import other_stage_names
+from ucformat.deepspeed.tensor_parallel import logical_fragments, shard_maps
 from ucformat.errors import LoadAbortedError, ModelMismatchError, UCFormatError
 from ucformat.format.models import CheckpointManifest
 from ucformat.format.names import model_named
@@ -112,6 +114,7 @@ def load(
     ckpt = store if isinstance(store, UniversalCheckpoint) else open_checkpoint(store)
     before, requests_before = ckpt.stats.bytes_read, ckpt.stats.requests
     view = describe_engine(engine)
+    view.shard_maps = shard_maps(engine)
     manifest = ckpt.manifest
     report = LoadReport()
     trainable = {name for t in view.targets for name in t.names}
@@ -251,7 +254,10 @@ def _read_partitions(
     manifest = ckpt.manifest
     parts: list[_FlatRead] = []
     for target, live in zip(view.targets, view.fp32, strict=True):
-        fragments = rank_fragments(target, (n for n in target.names if _has(manifest, n)))
+        fragments = logical_fragments(
+            rank_fragments(target, (n for n in target.names if _has(manifest, n))),
+            view.shard_maps,
+        )
         with_state = [f for f in fragments if _has_states(manifest, f.name, state_keys)]
         part = _FlatRead(target, live, fragments, with_state)
         if not can_fill_in_place(ckpt, target, fragments, FP32_STATE, live):
@@ -315,7 +321,7 @@ def _compare_models(
 ) -> None:
     params = dict(view.engine.module.named_parameters())
     wanted = trainable | set(frozen)
-    stored = set(manifest.params)
+    stored = set(manifest.params) - other_stage_names(view.engine.module, manifest.params)
     problems: list[str] = []
     report.missing = sorted(n for n in wanted if not _has(manifest, n))
     report.unexpected = sorted(stored - {manifest.resolve(n) for n in wanted})
@@ -323,12 +329,14 @@ def _compare_models(
         problems.append(f"missing from the store: {', '.join(report.missing)}")
     if report.unexpected:
         problems.append(f"not in the model: {', '.join(report.unexpected)}")
+    logical = {n: m.logical_shape for n, m in (view.shard_maps or {}).items()}
     shapes = [
-        f"{n} (model {list(_param_shape(params[n]))}, "
+        f"{n} (model {list(logical.get(n, _param_shape(params[n])))}, "
         f"store {manifest.params[manifest.resolve(n)].shape})"
         for n in sorted(wanted)
         if _has(manifest, n)
-        and list(_param_shape(params[n])) != manifest.params[manifest.resolve(n)].shape
+        and list(logical.get(n, _param_shape(params[n])))
+        != manifest.params[manifest.resolve(n)].shape
     ]
     if shapes:
         problems.append(f"different shapes: {', '.join(shapes)}")

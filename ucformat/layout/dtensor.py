@@ -8,6 +8,9 @@ rows, as torch splits them; trailing pieces may be short or empty.
 
 A block of whole rows of a row-major tensor is one contiguous flat range, so a rank's local
 shard is the flat range :func:`local_flat_range` and reading it is one range read of the store.
+Any other placement (``Shard(d)`` for ``d > 0``, ``_StridedShard``: tensor parallelism) is
+described by :mod:`ucformat.layout.placements`, which ``ucformat.torch`` uses for every
+placement; the functions here stay the FSDP2-only special case.
 
 For writing a store from live shards (``ucformat.torch.save``), :func:`owners` lists which rank
 holds each flat range (one replica each), :func:`aligned_chunking` picks chunk and shard shapes
@@ -18,6 +21,7 @@ writer must fetch from the other owners. Everything here is integer arithmetic o
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -241,13 +245,17 @@ def plan_unit_writes(units: Sequence[tuple[int, int]], holders: Sequence[Owner])
     1
     """
     ordered = sorted(holders, key=lambda owner: owner.start)
+    starts = [owner.start for owner in ordered]
     plan = []
     for start, stop in units:
-        pieces = tuple(
-            Piece(o.rank, max(start, o.start), min(stop, o.stop))
-            for o in ordered
-            if max(start, o.start) < min(stop, o.stop)
-        )
+        found = []
+        index = max(0, bisect.bisect_right(starts, start) - 1)
+        while index < len(ordered) and ordered[index].start < stop:
+            o = ordered[index]
+            if max(start, o.start) < min(stop, o.stop):
+                found.append(Piece(o.rank, max(start, o.start), min(stop, o.stop)))
+            index += 1
+        pieces = tuple(found)
         if pieces:
             most = max(p.stop - p.start for p in pieces)
             writer = next(p.rank for p in pieces if p.stop - p.start == most)

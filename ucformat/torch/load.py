@@ -42,15 +42,11 @@ from ucformat.format.spec import BUFFER_STATE, FP32_STATE, STEP_STATE, VALUE_STA
 from ucformat.read.checkpoint import UniversalCheckpoint, open_checkpoint, scalar_value
 from ucformat.store.keys import StoreLike
 from ucformat.torch.dtensor import is_dtensor, reshard
+from ucformat.torch.optim_groups import merged_group, torch_group, torch_step_tensor
 
 __all__ = ["TorchLoadReport", "load", "model_state_dict", "optimizer_state_dict", "state_dicts"]
 
 _FLOATING = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
-#: Keys of a torch Adam/AdamW param group besides ``params``, with torch's defaults.
-_TORCH_ADAM_DEFAULTS: dict[str, Any] = {
-    "amsgrad": False, "maximize": False, "foreach": None, "capturable": False,
-    "differentiable": False, "fused": None,
-}  # fmt: skip
 
 
 @dataclass
@@ -77,44 +73,6 @@ class TorchLoadReport:
 
 def _open(store: StoreLike | UniversalCheckpoint) -> UniversalCheckpoint:
     return store if isinstance(store, UniversalCheckpoint) else open_checkpoint(store)
-
-
-def _is_deepspeed_adam(manifest: CheckpointManifest) -> bool:
-    name = manifest.optimizer.name if manifest.optimizer else ""
-    return name.rpartition(".")[2] in ("FusedAdam", "DeepSpeedCPUAdam")
-
-
-def _stored_decoupled(manifest: CheckpointManifest, hyper: dict[str, Any]) -> bool | None:
-    if "decoupled_weight_decay" in hyper:
-        return bool(hyper["decoupled_weight_decay"])
-    if manifest.optimizer is not None and manifest.optimizer.adam_w_mode is not None:
-        return manifest.optimizer.adam_w_mode
-    if manifest.optimizer is not None and manifest.optimizer.name.endswith("AdamW"):
-        return True
-    return None
-
-
-def _torch_group(manifest: CheckpointManifest, index: int) -> dict[str, Any]:
-    """Group ``index``'s hyper-parameters in torch's format (FusedAdam keys translated)."""
-    assert manifest.optimizer is not None
-    hyper = {k: decode(v) for k, v in manifest.optimizer.groups[index].hyperparams.items()}
-    if not _is_deepspeed_adam(manifest):
-        return hyper
-    group: dict[str, Any] = {
-        k: hyper[k] for k in ("lr", "betas", "eps", "weight_decay") if k in hyper
-    }
-    if "betas" in group:
-        group["betas"] = tuple(group["betas"])
-    group.update(_TORCH_ADAM_DEFAULTS)
-    group["amsgrad"] = bool(hyper.get("amsgrad", False))
-    group["decoupled_weight_decay"] = bool(_stored_decoupled(manifest, hyper))
-    return group
-
-
-def _torch_step(value: Any) -> torch.Tensor:
-    """A step as torch's Adam keeps it: a 0-d tensor of the default scalar dtype."""
-    dtype = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
-    return torch.tensor(float(value), dtype=dtype)
 
 
 def model_state_dict(
@@ -147,7 +105,7 @@ def _param_state(ckpt: UniversalCheckpoint, name: str, torch_step: bool) -> dict
     state: dict[str, Any] = {}
     for key, scalar in entry.scalars.items():
         value = scalar_value(scalar)
-        state[key] = _torch_step(value) if key == STEP_STATE and torch_step else value
+        state[key] = torch_step_tensor(value) if key == STEP_STATE and torch_step else value
     for key in manifest.optimizer.state_keys:
         if key in entry.states:
             state[key] = ckpt.read(manifest.resolve(name), key)
@@ -182,7 +140,7 @@ def optimizer_state_dict(
             state[index] = _param_state(ckpt, name, torch_step)
             ids.append(index)
             index += 1
-        groups.append({**_torch_group(manifest, number), "params": ids})
+        groups.append({**torch_group(manifest, number), "params": ids})
     return {"state": state, "param_groups": groups}
 
 
@@ -262,27 +220,6 @@ def _check_optimizer(
     return live
 
 
-def _merged_group(
-    manifest: CheckpointManifest, index: int, live: dict[str, Any], strict: bool
-) -> dict[str, Any]:
-    stored = _torch_group(manifest, index)
-    decoupled = _stored_decoupled(manifest, stored)
-    live_decoupled = live.get("decoupled_weight_decay")
-    known = decoupled is not None and live_decoupled is not None
-    if strict and known and bool(live_decoupled) != decoupled and stored.get("weight_decay", 0):
-        want = "torch.optim.AdamW" if decoupled else "torch.optim.Adam"
-        raise ModelMismatchError(
-            f"the store's optimizer used {'decoupled (AdamW)' if decoupled else 'L2 (Adam)'} "
-            f"weight decay but the optimizer does not; use {want}, or pass strict=False to "
-            "keep the optimizer's own setting. Nothing was loaded."
-        )
-    merged = {k: v for k, v in live.items() if k != "params"}
-    for key in merged:
-        if key in stored and key != "decoupled_weight_decay":
-            merged[key] = stored[key]
-    return merged
-
-
 def load(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer | None,
@@ -293,12 +230,14 @@ def load(
     """Load a store into a PyTorch model and (optionally) optimizer.
 
     A plain model (no DTensor parameters) is loaded in this process. A model whose parameters
-    are DTensors (FSDP2 ``fully_shard`` on a 1-D mesh, HSDP on a ``(replicate, shard)`` mesh)
-    is loaded collectively: call it on every rank; each rank reads only the flat ranges its
-    local shards cover, of the weights and of every optimizer state, and optimizer states the
-    optimizer does not hold yet are created as DTensors with the parameter's mesh and
-    placements; param groups are matched to the stored ones by the names of the parameters
-    they hold (docs/fsdp2.md).
+    are DTensors (FSDP2 ``fully_shard`` on a 1-D mesh, HSDP on a ``(replicate, shard)`` mesh,
+    tensor parallel ``parallelize_module``, FSDP2 + TP on a ``(dp, tp)`` mesh: any ``Shard(d)``,
+    ``_StridedShard`` and ``Replicate()`` placements) is loaded collectively: call it on every
+    rank; each rank reads only the runs of flat elements its local shards cover (one per row
+    for a ``Shard(1)`` column block), of the weights and of every optimizer state, and
+    optimizer states the optimizer does not hold yet are created as DTensors with the
+    parameter's mesh and placements; param groups are matched to the stored ones by the names
+    of the parameters they hold (docs/fsdp2.md, docs/tensor-parallel.md).
 
     The model gets every parameter (from fp32, cast by ``load_state_dict`` to the model's
     dtype), tied aliases and buffers. The optimizer (built over the same param groups as the
@@ -315,7 +254,7 @@ def load(
     Raises:
         ModelMismatchError: the model or the optimizer's groups do not match the store.
         UnsupportedExportError: an optimizer was given but the store holds no optimizer state,
-            or a DTensor has placements other than ``Shard(0)``/``Replicate()``.
+            or a DTensor has a ``Partial()`` placement.
         LoadAbortedError: (DTensor models) another rank could not read its part; nothing was
             loaded on this rank.
 
@@ -353,7 +292,7 @@ def load(
                 state[index] = _param_state(ckpt, name, torch_step)
                 ids.append(index)
                 index += 1
-            groups.append({**_merged_group(manifest, number, live, strict), "params": ids})
+            groups.append({**merged_group(manifest, number, live, strict), "params": ids})
         optimizer_sd = {"state": state, "param_groups": groups}
     model.load_state_dict(saved, strict=strict)
     if optimizer_sd is not None and optimizer is not None:

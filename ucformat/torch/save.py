@@ -7,9 +7,10 @@ DTensors (FSDP2, HSDP) under ``torch.distributed``. Every rank runs the same ste
    state and param group, with each rank's local shard (:mod:`ucformat.torch.dtensor`). The
    ranks exchange this small description once, so they all plan the same store;
 2. plan the store with the converter's planner (:func:`ucformat.write.plan.plan_convert`). Each
-   array is described by its owners' flat ranges (:func:`ucformat.layout.dtensor.owners`: one
-   replica each), and chunked so shards end on owner boundaries where chunks stay large
-   (:func:`~ucformat.layout.dtensor.aligned_chunking`);
+   array is described by its owners' runs of flat elements (one replica each, any placements:
+   :func:`ucformat.layout.placements.run_owners`; a ``Shard(0)`` shard is one run, a
+   ``Shard(1)`` column block one per row), and chunked so shards end on owner boundaries
+   where chunks stay large (:func:`~ucformat.layout.dtensor.aligned_chunking`);
 3. give every store shard exactly one writer, the rank holding most of it
    (:func:`~ucformat.layout.dtensor.plan_unit_writes`); the pieces of a shard held by other
    ranks are sent to the writer (point-to-point, all at once);
@@ -54,7 +55,7 @@ from ucformat.format.spec import (
     state_array_path,
 )
 from ucformat.layout.chunking import Chunking, ChunkPolicy
-from ucformat.layout.dtensor import Owner, UnitWrite, aligned_chunking, owners, plan_unit_writes
+from ucformat.layout.dtensor import Owner, UnitWrite, aligned_chunking, plan_unit_writes
 from ucformat.sources.base import (
     ArraySource,
     SourceCheckpoint,
@@ -130,21 +131,28 @@ class LiveTensor:
 
 @dataclass
 class _Array:
-    """One array to write: its path, owners and this rank's local values."""
+    """One array to write: its path, owners (one per run) and this rank's local values
+    (``local_at``: where each of this rank's runs starts in them)."""
 
     path: str
     shape: tuple[int, ...]
     dtype: str
     holders: list[Owner]
     local: np.ndarray | None
+    local_at: dict[int, int] = field(default_factory=dict)
     tensors: dict[int, LiveTensor] = field(default_factory=dict)
+
+    def mine(self, owner: Owner) -> np.ndarray | None:
+        """This rank's values of ``owner``'s run (None for another rank's)."""
+        if self.local is None or owner.rank != _rank():
+            return None
+        at = self.local_at[owner.start]
+        return self.local[at : at + owner.stop - owner.start]
 
     def source(self) -> ArraySource:
         array = ArraySource(self.shape, self.dtype)
         for owner in self.holders:
-            tensor = LiveTensor(
-                owner.rank, self.dtype, self.local if owner.rank == _rank() else None
-            )
+            tensor = LiveTensor(owner.rank, self.dtype, self.mine(owner))
             self.tensors[owner.start] = tensor
             array.fragments.append(SourceFragment(tensor, 0, owner.start, owner.stop - owner.start))
         return array
@@ -186,9 +194,11 @@ def _flat_storage(tensor: torch.Tensor, dtype: str) -> np.ndarray:
 
 def _array(path: str, shard: LocalShard, tensor: torch.Tensor, dtype: str) -> _Array:
     """The array ``path`` holding ``tensor`` (laid out like ``shard``) in ``dtype``."""
-    holders = owners(shard.shape, shard.mesh_shape, shard.shard_dims or (None,), mesh_ranks(shard))
-    mine = any(o.rank == _rank() for o in holders)
-    return _Array(path, shard.shape, dtype, holders, _flat_storage(tensor, dtype) if mine else None)
+    runs = shard.owners(mesh_ranks(shard))
+    holders = [owner for owner, _ in runs]
+    local_at = {owner.start: at for owner, at in runs if owner.rank == _rank()}
+    local = _flat_storage(tensor, dtype) if local_at else None
+    return _Array(path, shard.shape, dtype, holders, local, local_at)
 
 
 def _group_info(optimizer: torch.optim.Optimizer, names: dict[int, str]) -> list[OptimizerGroup]:
@@ -304,13 +314,17 @@ def _exchange(plan: list[tuple[_Array, UnitWrite]]) -> None:
     ops = []
     received: list[tuple[LiveTensor, int, torch.Tensor, str]] = []
     tag = 0
+    starts: dict[str, list[int]] = {}
     for array, unit in plan:
         for piece in unit.transfers:
             tag += 1
-            owner = max((o for o in array.holders if o.start <= piece.start), key=lambda o: o.start)
+            if array.path not in starts:  # holders are in flat order (run_owners)
+                starts[array.path] = [o.start for o in array.holders]
+            owner = array.holders[bisect.bisect_right(starts[array.path], piece.start) - 1]
             offset = piece.start - owner.start
-            if piece.rank == me and array.local is not None:
-                piece_values = array.local[offset : offset + piece.stop - piece.start]
+            mine = array.mine(owner) if piece.rank == me else None
+            if mine is not None:
+                piece_values = mine[offset : offset + piece.stop - piece.start]
                 values = torch.from_numpy(piece_values.view(np.uint8))  # bytes: any dtype
                 ops.append(dist.P2POp(dist.isend, values.to(device), unit.writer, tag=tag))
             elif unit.writer == me:
@@ -338,7 +352,7 @@ def save(
     shard_bytes: int | None = None,
     workers: int = DEFAULT_WORKERS,
 ) -> CheckpointManifest:
-    """Write a ucformat store from a live model and optimizer (FSDP2, HSDP or plain).
+    """Write a ucformat store from a live model and optimizer (FSDP2, HSDP, TP, plain).
 
     Under ``torch.distributed`` this is collective: call it on every rank with the same
     arguments. Each rank writes the store shards its local shards cover; the manifest is
@@ -361,7 +375,7 @@ def save(
         StoreExistsError: ``store`` exists and ``overwrite`` is not set (on every rank: rank 0
             raises it, the others :class:`SaveAbortedError` naming it).
         SaveAbortedError: another rank failed; nothing was committed.
-        UnsupportedExportError: a DTensor with placements other than Shard(0)/Replicate().
+        UnsupportedExportError: a DTensor with a ``Partial()`` placement.
 
     Example:
         >>> ucformat.torch.save(model, optimizer, "ckpt.ucf")  # doctest: +SKIP

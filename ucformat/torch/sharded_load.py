@@ -1,14 +1,16 @@
-"""Load a store into a model whose parameters are DTensors (FSDP2, HSDP), on every rank.
+"""Load a store into a model whose parameters are DTensors (FSDP2, HSDP, TP, FSDP2 + TP).
 
 What :func:`ucformat.torch.load` runs when the model holds DTensors. Per rank:
 
 1. compare the model with the manifest (names, global shapes, buffers) and the optimizer's
    param groups with the stored ones, matched by the parameter names they hold; with
    ``strict=True`` any difference fails here, before anything changes;
-2. read, into new tensors, exactly the flat range of every array this rank's local shards cover
-   (:mod:`ucformat.torch.dtensor`): the fp32 weights and every optimizer state of each
-   parameter, frozen parameters, buffers (whole: they are not sharded). A rank whose shard of a
-   parameter is empty reads nothing for it;
+2. read, into new tensors, exactly the runs of flat elements of every array this rank's local
+   shards cover (:mod:`ucformat.torch.dtensor`: one run for a ``Shard(0)`` row block, one per
+   row for a ``Shard(1)`` column block, any placements on any mesh), merged so that each chunk
+   is fetched once (:meth:`~ucformat.read.checkpoint.UniversalCheckpoint.read_runs`): the fp32
+   weights and every optimizer state of each parameter, frozen parameters, buffers (whole:
+   they are not sharded). A rank whose shard of a parameter is empty reads nothing for it;
 3. agree with every other rank that all reads succeeded (one all-reduce), then write: local
    shards in place, optimizer states into the optimizer's tensors (or as new DTensors with the
    parameter's mesh and placements where the optimizer has none yet), ``step`` in the type the
@@ -37,7 +39,7 @@ from ucformat.format.pyvalue import decode
 from ucformat.format.spec import FP32_STATE, STEP_STATE
 from ucformat.read.checkpoint import BUFFER_STATE, UniversalCheckpoint, scalar_value
 from ucformat.torch.dtensor import LocalShard, local_shard, persistent_buffers
-from ucformat.torch.load import _merged_group, _torch_step
+from ucformat.torch.optim_groups import merged_group, torch_step_tensor
 
 __all__ = ["load_sharded"]
 
@@ -117,7 +119,7 @@ def _match_groups(
                 f"{[g.params for g in manifest.optimizer.groups]}); build the optimizer with the "
                 "training run's param groups. Nothing was loaded."
             )
-        matched.append((index, _merged_group(manifest, index, group, strict)))
+        matched.append((index, merged_group(manifest, index, group, strict)))
     return matched
 
 
@@ -130,12 +132,12 @@ def _read_param(
     entry = manifest.params[owner]
     shard = local_shard(name, param)
     read = _ParamRead(name, param, shard)
-    # An empty range (a rank whose shard is empty) reads nothing and gives empty tensors.
-    read.fp32 = ckpt.read_range(owner, FP32_STATE, shard.start, shard.stop)
+    # An empty shard (no runs) reads nothing and gives empty tensors.
+    read.fp32 = ckpt.read_runs(owner, FP32_STATE, shard.runs)
     needed = shard.numel * itemsize(ckpt.array_ref(owner, FP32_STATE).dtype)
     for key in state_keys:
         if key in entry.states:
-            read.states[key] = ckpt.read_range(owner, key, shard.start, shard.stop)
+            read.states[key] = ckpt.read_runs(owner, key, shard.runs)
             needed += shard.numel * itemsize(entry.states[key].dtype)
     if state_keys:
         read.scalars = {k: scalar_value(s) for k, s in entry.scalars.items()}
@@ -184,7 +186,7 @@ def load_sharded(
 ) -> None:
     """Fill ``model`` (DTensor parameters) and ``optimizer`` from ``ckpt``; fill ``report``."""
     started = time.perf_counter()
-    before = ckpt.stats.bytes_read
+    before, requests_before = ckpt.stats.bytes_read, ckpt.stats.requests
     manifest = ckpt.manifest
     params = model_named(model.named_parameters(), "the model's parameters")  # format/names.py
     buffers = model_named(persistent_buffers(model).items(), "buffers")
@@ -230,7 +232,7 @@ def load_sharded(
             for key, values in read.states.items():
                 _set_state(state, key, read, values)
             for key, value in read.scalars.items():
-                state[key] = _torch_step(value) if key == STEP_STATE and torch_step else value
+                state[key] = torch_step_tensor(value) if key == STEP_STATE and torch_step else value
         for name, value in buffer_values.items():
             buffers[name].copy_(value.to(buffers[name].dtype))
     if optimizer is not None:
@@ -239,4 +241,5 @@ def load_sharded(
     report.client_state = {k: decode(v) for k, v in manifest.client_state.values.items()}
     report.bytes_read = ckpt.stats.bytes_read - before
     report.bytes_needed = needed
+    report.requests = ckpt.stats.requests - requests_before
     report.seconds = time.perf_counter() - started

@@ -160,6 +160,8 @@ def plan_convert(source: SourceCheckpoint, options: ConvertOptions) -> ConvertPl
         optimizer=source.optimizer,
         progress=source.progress,
         client_state=source.client_state,
+        megatron=source.megatron,
+        tensor_parallel=source.tensor_parallel,
     )
     units = tuple(
         unit

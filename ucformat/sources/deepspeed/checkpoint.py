@@ -38,11 +38,16 @@ from ucformat.sources.deepspeed.files import (
     find_zero_files,
     locate_tag_folder,
     model_states_file,
+    tensor_parallel_degree,
 )
 from ucformat.sources.deepspeed.states import (
     FlatStates,
     read_zero3_states,
     read_zero12_states,
+)
+from ucformat.sources.deepspeed.tensor_parallel import (
+    find_tensor_parallel_files,
+    merge_tensor_parallel,
 )
 from ucformat.sources.safe_unpickle import PicklePolicy, StandIn
 from ucformat.sources.torchfile import TensorRef, TorchFile, open_torch_file
@@ -76,8 +81,14 @@ def read_deepspeed_checkpoint(
     :meth:`SourceCheckpoint.check_integrity` compares them with the files' zip CRC-32s.
     """
     folder, tag_name = locate_tag_folder(Path(src), tag)
+    degree = tensor_parallel_degree(folder)
     try:
-        files = find_zero_files(folder, tag_name)
+        by_rank = (
+            find_tensor_parallel_files(folder, tag_name, degree)
+            if degree > 1
+            else [find_zero_files(folder, tag_name)]
+        )
+        files = by_rank[0]
     except UnsupportedCheckpointError:
         _check_model_file(folder, policy)  # a random .pt is "not DeepSpeed", not "unsupported"
         raise
@@ -85,7 +96,14 @@ def read_deepspeed_checkpoint(
     try:
         models = [_open(p, policy, handles, check_crc) for p in files.model_files]
         optim = [_open(p, policy, handles, check_crc) for p in files.optim_files]
-        return _describe(files, models, optim, handles)
+        others = [
+            (
+                [_open(p, policy, handles, check_crc) for p in f.model_files],
+                [_open(p, policy, handles, check_crc) for p in f.optim_files],
+            )
+            for f in by_rank[1:]
+        ]
+        return _describe(files, models, optim, handles, others)
     except UCFormatError:
         _close(handles)
         raise
@@ -141,7 +159,11 @@ def _model_meta(handle: TorchFile) -> Mapping[str, Any]:
 
 
 def _describe(
-    files: ZeroFiles, models: list[TorchFile], optim: list[TorchFile], handles: list[TorchFile]
+    files: ZeroFiles,
+    models: list[TorchFile],
+    optim: list[TorchFile],
+    handles: list[TorchFile],
+    other_tp_ranks: Sequence[tuple[list[TorchFile], list[TorchFile]]] = (),
 ) -> SourceCheckpoint:
     meta = _model_meta(models[0])
     world_size = files.world_size
@@ -155,12 +177,21 @@ def _describe(
         flat = read_zero3_states(meta, optim, world_size)
     else:
         flat = read_zero12_states(meta, optim, world_size)
+    tensor_parallel = None
+    if other_tp_ranks:  # AutoTP: every rank's shards placed in full arrays
+        ranks = [(meta, optim)] + [(_model_meta(m[0]), o) for m, o in other_tp_ranks]
+        flat, tensor_parallel = merge_tensor_parallel(ranks, world_size, stage)
     module: Mapping[str, Any] = meta["module"]
     train_dtype = _train_dtype(meta.get("ds_config"))
     tied = {str(a): str(o) for a, o in (meta.get("shared_params") or {}).items()}
     buffer_names = [str(n) for n in meta.get("buffer_names") or []]
     params = _trainable_params(flat, module, train_dtype)
     params.update(_frozen_params(meta, models, stage, world_size, set(params), tied, buffer_names))
+    if tensor_parallel is not None and (len(params) > len(flat.groups) or buffer_names):
+        raise UnsupportedCheckpointError(
+            f"{files.folder}: frozen parameters or buffers in a tensor-parallel checkpoint; "
+            "ucformat converts AutoTP checkpoints whose parameters are all trainable."
+        )
     order = {name: i for i, name in enumerate(module)}
     params = dict(sorted(params.items(), key=lambda kv: order.get(kv[0], len(order))))
     buffers = {name: _whole(module[name], models[0], name) for name in buffer_names}
@@ -186,6 +217,7 @@ def _describe(
         progress=_progress(meta, optimizer_state),
         client_state=_client_state(meta),
         files=handles,
+        tensor_parallel=tensor_parallel,
     )
 
 

@@ -31,6 +31,7 @@ __all__ = [
     "locate_tag_folder",
     "model_states_file",
     "optim_states_file",
+    "tensor_parallel_degree",
 ]
 
 #: The file of a run folder that names its latest tag.
@@ -39,17 +40,27 @@ LATEST_FILE = "latest"
 BF16_PREFIX = "bf16_"
 
 
-def model_states_file(rank: int | None = None) -> str:
+def model_states_file(rank: int | None = None, mp: int = 0) -> str:
     """The model-states file name: ZeRO-1/2's one file (``rank`` None), else ZeRO-3's file of
-    data-parallel ``rank`` (model-parallel rank 0, the only one ucformat reads or writes)."""
+    data-parallel ``rank``; ``mp`` is the model-parallel (tensor-parallel) rank."""
     if rank is None:
-        return "mp_rank_00_model_states.pt"
-    return f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt"
+        return f"mp_rank_{mp:02d}_model_states.pt"
+    return f"zero_pp_rank_{rank}_mp_rank_{mp:02d}_model_states.pt"
 
 
-def optim_states_file(rank: int, prefix: str = "") -> str:
+def optim_states_file(rank: int, prefix: str = "", mp: int = 0) -> str:
     """The optimizer-states file name of data-parallel ``rank`` (``prefix``: ``bf16_``, ...)."""
-    return f"{prefix}zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
+    return f"{prefix}zero_pp_rank_{rank}_mp_rank_{mp:02d}_optim_states.pt"
+
+
+def tensor_parallel_degree(folder: Path) -> int:
+    """Model-parallel ranks named by the folder's model-states files (1: none beyond rank 0)."""
+    ranks = {
+        int(m["mp"])
+        for p in folder.iterdir()
+        if (m := _MODEL_Z12.match(p.name) or _MODEL_Z3.match(p.name))
+    }
+    return max(ranks, default=0) + 1
 
 
 _OPTIM = re.compile(
@@ -122,8 +133,9 @@ def _is_model_file(name: str) -> bool:
     return bool(_MODEL_Z12.match(name) or _MODEL_Z3.match(name))
 
 
-def find_zero_files(folder: Path, tag: str) -> ZeroFiles:
-    """List and check the shard files in a tag folder.
+def find_zero_files(folder: Path, tag: str, mp_rank: int | None = None) -> ZeroFiles:
+    """List and check the shard files in a tag folder (of model-parallel rank ``mp_rank``;
+    None: the folder must hold rank 0's only).
 
     Raises:
         NotACheckpointError: no model-states file.
@@ -141,16 +153,20 @@ def find_zero_files(folder: Path, tag: str) -> ZeroFiles:
         raise UnsupportedCheckpointError(
             f"{folder}: MoE expert files found; ucformat does not convert expert parallelism yet."
         )
-    model_z12 = [n for n in names if _MODEL_Z12.match(n)]
-    model_z3 = {int(m["dp"]): n for n in names if (m := _MODEL_Z3.match(n))}
+    model_z12 = [n for n in names if (m := _MODEL_Z12.match(n)) and _wanted(m["mp"], mp_rank)]
+    model_z3 = {
+        int(m["dp"]): n for n in names if (m := _MODEL_Z3.match(n)) and _wanted(m["mp"], mp_rank)
+    }
     optim: dict[int, str] = {}
     prefixes: set[str] = set()
     for name in names:
         match = _OPTIM.match(name)
         if match is None:
             continue
-        if int(match["mp"]) != 0:
-            raise _tensor_parallel(folder, name)
+        if int(match["mp"]) != (mp_rank or 0):
+            if mp_rank is None:
+                raise _tensor_parallel(folder, name)
+            continue
         dp = int(match["dp"])
         if dp in optim:
             raise LayoutMismatchError(
@@ -161,7 +177,7 @@ def find_zero_files(folder: Path, tag: str) -> ZeroFiles:
         prefixes.add(match["prefix"] or "")
     for name in [*model_z12, *model_z3.values()]:
         mp = _MODEL_Z12.match(name) or _MODEL_Z3.match(name)
-        if mp is not None and int(mp["mp"]) != 0:
+        if mp is not None and int(mp["mp"]) != 0 and mp_rank is None:
             raise _tensor_parallel(folder, name)
     if model_z12 and model_z3:
         raise LayoutMismatchError(
@@ -188,7 +204,7 @@ def find_zero_files(folder: Path, tag: str) -> ZeroFiles:
     for rank in range(world_size):
         if rank not in optim:
             raise SourceNotFoundError(
-                f"{folder / optim_states_file(rank, prefix)}: missing; "
+                f"{folder / optim_states_file(rank, prefix, mp_rank or 0)}: missing; "
                 f"the folder has optimizer shards up to rank {world_size - 1}, so every rank "
                 f"0..{world_size - 1} must be present."
             )
@@ -196,7 +212,7 @@ def find_zero_files(folder: Path, tag: str) -> ZeroFiles:
         for rank in range(world_size):
             if rank not in model_z3:
                 raise SourceNotFoundError(
-                    f"{folder / model_states_file(rank)}: missing; "
+                    f"{folder / model_states_file(rank, mp_rank or 0)}: missing; "
                     f"ZeRO-3 writes one model-states file per rank (found {world_size} optimizer "
                     "shards)."
                 )
@@ -218,6 +234,10 @@ def find_zero_files(folder: Path, tag: str) -> ZeroFiles:
         optim_files=tuple(folder / optim[r] for r in range(world_size)),
         per_rank_model_files=bool(model_z3),
     )
+
+
+def _wanted(mp: str, mp_rank: int | None) -> bool:
+    return mp_rank is None or int(mp) == mp_rank
 
 
 def _tensor_parallel(folder: Path, name: str) -> UnsupportedCheckpointError:
