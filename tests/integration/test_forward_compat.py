@@ -26,7 +26,7 @@ from tests.conformance.make_golden import GOLDEN
 from tests.fixtures.models import build_model
 from ucformat.errors import ManifestError
 
-CURRENT = "z1-fp16-tadam-ftb"  # format 2.0
+CURRENT = "z1-fp16-tadam-ftb"  # a golden store of format 2.0 (restamped per test)
 LEGACY = "v1.0-z1-fp16-tadam-ftb"  # format 1.0, written by ucformat 0.1.0
 SOURCE_CASE = "z1-fp16-tadam-ftb-ws2"  # the DeepSpeed checkpoint both were converted from
 
@@ -103,7 +103,7 @@ def loaded_state(store: Path) -> dict[str, Any]:
     return {"model": model.state_dict(), "optimizer": optimizer.state_dict()["state"]}
 
 
-@pytest.mark.parametrize(("name", "version"), [(CURRENT, "2.1"), (LEGACY, "1.7")])
+@pytest.mark.parametrize(("name", "version"), [(CURRENT, "2.9"), (LEGACY, "1.7")])
 def test_future_minor_reads_like_the_original(name: str, version: str, tmp_path: Path) -> None:
     future = future_store(name, version, tmp_path)
     original = GOLDEN / name
@@ -136,13 +136,13 @@ def test_future_minor_reads_like_the_original(name: str, version: str, tmp_path:
 @pytest.mark.deepspeed
 def test_future_minor_verifies_against_its_source(ds_grid: Path, tmp_path: Path) -> None:
     source = ds_grid / SOURCE_CASE / "ckpt"
-    for name, version in ((CURRENT, "2.1"), (LEGACY, "1.7")):
+    for name, version in ((CURRENT, "2.9"), (LEGACY, "1.7")):
         report = ucformat.verify(future_store(name, version, tmp_path), against=source)
         assert report.ok, (name, report.problems)
 
 
 def test_unknown_members_are_digested(tmp_path: Path) -> None:
-    future = future_store(CURRENT, "2.1", tmp_path)
+    future = future_store(CURRENT, "2.9", tmp_path)
     document = json.loads((future / "ucformat.json").read_text())
     document["future_top"]["nested"][0] = 2  # an edit the models never see
     (future / "ucformat.json").write_text(json.dumps(document))
@@ -152,8 +152,8 @@ def test_unknown_members_are_digested(tmp_path: Path) -> None:
 
 
 def test_unknown_members_of_the_current_version_are_refused(tmp_path: Path) -> None:
-    """Only a newer minor may hold members this reader does not know: in 2.0 they are errors."""
-    future = future_store(CURRENT, "2.0", tmp_path)
+    """Only a newer minor may hold members this reader does not know: in 2.1 they are errors."""
+    future = future_store(CURRENT, "2.1", tmp_path)
     with pytest.raises(ManifestError, match="future_file': Extra inputs are not permitted"):
         ucformat.open(future)
 
@@ -169,14 +169,14 @@ def test_newer_major_is_refused_in_one_line(version: str, tmp_path: Path) -> Non
 
 @pytest.mark.deepspeed
 def test_future_minor_loads_into_deepspeed(ds_grid: Path, tmp_path: Path) -> None:
-    """``ucformat.deepspeed.load`` of the future stores into fresh engines (2.1 at ZeRO-3, 1.7 at
+    """``ucformat.deepspeed.load`` of the future stores into fresh engines (2.9 at ZeRO-3, 1.7 at
     ZeRO-1): the loaded state equals the engine's dump at save time, and training on continues
     exactly (the load worker of the grid tests checks both; one torchrun launch)."""
     from tests.fixtures.load_cases import LoadCase
     from tests.fixtures.make_fixtures import launch_jobs
     from tests.fixtures.run_loads import LOAD_WORKER
 
-    stores = [future_store(CURRENT, "2.1", tmp_path), future_store(LEGACY, "1.7", tmp_path)]
+    stores = [future_store(CURRENT, "2.9", tmp_path), future_store(LEGACY, "1.7", tmp_path)]
     jobs = [
         {
             "load": LoadCase(SOURCE_CASE, 2, stage).to_dict(),

@@ -25,11 +25,11 @@ __all__ = [
 FORMAT_NAME: Final = "ucformat"
 #: Major.minor written by this implementation (docs/format.md §5). Readers accept any minor of
 #: a major they know and refuse a newer major.
-FORMAT_VERSION = "2.0"
+FORMAT_VERSION = "2.1"
 #: Per major this implementation reads: the newest minor whose members it knows. A manifest of
 #: a newer minor may hold members it does not know; they are ignored, and digested (§3.7, §5).
 #: Format 1 differs from 2 only in its digest rule and in the state name of frozen parameters.
-KNOWN_MINOR: dict[int, int] = {1: 0, 2: 0}
+KNOWN_MINOR: dict[int, int] = {1: 0, 2: 1}
 #: Key of the manifest in the store root. Written last; its presence marks the store complete.
 MANIFEST_KEY = "ucformat.json"
 PARAMS_PREFIX = "params"
