@@ -17,15 +17,36 @@ from rich.progress import (
 
 from ucformat.format.summary import format_bytes
 
-from ._errors import user_errors
+from ._errors import interruptible
 
 if TYPE_CHECKING:
     from ucformat.write.plan import ConvertPlan
 
 _KIB = 1024
+#: Set once the convert has committed (what a later Ctrl-C message says).
+_COMMITTED: list[bool] = []
 
 
-@user_errors
+def _interrupted(options: dict[str, object]) -> str:
+    """The Ctrl-C message: what is left on disk (docs/format.md §6.2)."""
+    from ucformat.store.locations import local_directory
+
+    dst = str(options.get("dst"))
+    if any(_COMMITTED):
+        left = f"the store was committed before the interrupt; {dst} is complete"
+    elif options.get("dry_run"):
+        left = "nothing was written"
+    elif local_directory(dst) is not None:
+        left = f"nothing was committed; {dst} is as it was (the staged write beside it was removed)"
+    else:
+        left = (
+            f"nothing was committed; {dst} holds an uncommitted store that readers refuse "
+            "(re-run with --overwrite)"
+        )
+    return f"{left}."
+
+
+@interruptible(_interrupted)
 def convert_command(
     src: Annotated[
         str,
@@ -135,6 +156,7 @@ def convert_command(
             model_key=model_key,
             optimizer_key=optimizer_key,
         )
+        _COMMITTED.append(not dry_run)
     plan = planned[0]
     source = manifest.source
     shards = len(plan.units)

@@ -28,6 +28,7 @@ __all__ = [
     "SaveAbortedError",
     "SourceNotFoundError",
     "StoreAccessError",
+    "StoreBusyError",
     "StoreExistsError",
     "StoreWriteError",
     "TruncatedFileError",
@@ -112,6 +113,10 @@ class NotAStoreError(ManifestError, FileNotFoundError):
 
 class StoreExistsError(UCFormatError, FileExistsError):
     """The destination already holds data and overwriting was not requested."""
+
+
+class StoreBusyError(StoreExistsError):
+    """Another writer holds the destination's lock (docs/format.md §6.3)."""
 
 
 class ParamNotFoundError(UCFormatError, KeyError):

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ucformat.errors import StoreExistsError, UnsupportedExportError
+from ucformat.export._replace import begin, remove_entry
 
 __all__ = [
     "Destination",
@@ -138,12 +139,11 @@ def plan_destination(
 
 def prepare_folder(dest: Destination) -> Path:
     """Create the folder, remove a tag folder being replaced; return the (empty) tag folder."""
+    begin(dest.folder)
     dest.folder.mkdir(parents=True, exist_ok=True)
     tag_dir = dest.folder / dest.tag
-    if tag_dir.is_symlink() or tag_dir.is_file():
-        tag_dir.unlink()
-    elif tag_dir.is_dir():
-        shutil.rmtree(tag_dir)
+    if tag_dir.is_symlink() or tag_dir.exists():
+        remove_entry(tag_dir)  # kept aside until the export completes (export/_replace.py)
     tag_dir.mkdir()
     return tag_dir
 

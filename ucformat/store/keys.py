@@ -19,6 +19,7 @@ from zarr.storage import FsspecStore, LocalStore, WrapperStore
 
 from ucformat.errors import StoreAccessError, StoreWriteError, UCFormatError
 from ucformat.store.locations import existing_store_directory, local_directory
+from ucformat.store.staged_local import StagedLocalStore
 
 __all__ = [
     "Store",
@@ -57,10 +58,15 @@ def local_root(store: Store) -> Path | None:
 def open_store(target: StoreLike, *, read_only: bool) -> Store:
     """Turn a path, an fsspec URL or a zarr store into a zarr store.
 
+    A local directory opened for writing is a :class:`StagedLocalStore`: the write goes to a
+    staging folder beside the destination and is swapped into place at the commit.
+
     Raises:
         SourceNotFoundError: a local path opened read-only does not exist.
         NotAStoreError: a local path opened read-only is a file.
     """
+    if type(target) is LocalStore and not read_only:
+        return StagedLocalStore(target.root)
     if isinstance(target, Store):
         return (
             target
@@ -78,13 +84,16 @@ def open_store(target: StoreLike, *, read_only: bool) -> Store:
             ) from None
     if read_only:
         existing_store_directory(path)
-    return LocalStore(path, read_only=read_only)
+        return LocalStore(path, read_only=True)
+    return StagedLocalStore(path)
 
 
 def describe_store(store: Store) -> str:
     """Where ``store`` is, for messages: its URL (``s3://bucket/prefix``) or local root."""
     while isinstance(store, WrapperStore):
         store = store._store
+    if isinstance(store, StagedLocalStore):
+        return str(store.destination)
     if isinstance(store, LocalStore):
         return str(store.root)
     if isinstance(store, FsspecStore):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -106,18 +107,33 @@ def commit_manifest(
     already in the store is fsynced first, then the manifest is written to a temporary file,
     fsynced, renamed into place and the root directory fsynced: once this returns, a power loss
     cannot leave a committed manifest whose shards were lost. Other stores get one ``set``.
+    A staged local store is then swapped onto its destination (the previous store, if any, is
+    removed), and the destination's writer lock is released (docs/format.md §6).
     """
     from ucformat.store.direct.objects import local_file
-    from ucformat.store.keys import write_key
+    from ucformat.store.keys import store_writes, write_key
+    from ucformat.store.staged_local import StagedLocalStore, publish
+    from ucformat.store.write_session import release_writer
 
     stamped = manifest.model_copy(update={"digest": manifest_digest(manifest)})
     payload = stamped.model_dump_json(indent=1).encode()
     path = local_file(store, MANIFEST_KEY) if durable else None
-    if path is None:
-        write_key(store, MANIFEST_KEY, payload)
-        return stamped
-    sync_tree(path.parent)
-    write_file_durably(path, payload)
+    try:
+        if path is None:
+            write_key(store, MANIFEST_KEY, payload)
+        else:
+            with store_writes(store, f"writing {MANIFEST_KEY}"):
+                sync_tree(path.parent)
+                write_file_durably(path, payload)
+        if isinstance(store, StagedLocalStore):  # the commit point of a local store: the swap
+            with store_writes(store, "moving the staged store into place"):
+                publish(store, durable=durable)
+    except BaseException:
+        if isinstance(store, StagedLocalStore) and Path(store.root) != store.destination:
+            shutil.rmtree(store.root, ignore_errors=True)  # not committed: the old store stays
+        raise
+    finally:
+        release_writer(store)
     return stamped
 
 

@@ -132,10 +132,10 @@ def convert(
             arrays = create_arrays(store, plan)
             write_units(plan, arrays, plan.units, workers=workers, progress=hooks.on_bytes)
             source.check_integrity()  # before the commit: a damaged source never looks complete
+            return commit_manifest(store, plan.manifest, durable=fsync)
         except BaseException:
             discard_store(store, created)
             raise
-        return commit_manifest(store, plan.manifest, durable=fsync)
 
 
 def convert_options(
