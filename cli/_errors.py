@@ -48,6 +48,11 @@ def interruptible(
             except OSError as exc:
                 where = f"{exc.filename}: " if exc.filename else ""
                 raise fail(f"{where}{exc.strerror or exc}") from None
+            except MemoryError:
+                raise fail(
+                    "out of memory: the request needs more memory than this machine has; "
+                    "read less at a time (e.g. a slice or one parameter)."
+                ) from None
             except KeyboardInterrupt:
                 said = on_interrupt(dict(kwargs)) if on_interrupt is not None else ""
                 stderr.print(f"interrupted: {said}" if said else "interrupted", markup=False)

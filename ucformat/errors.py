@@ -23,6 +23,7 @@ __all__ = [
     "ModelMismatchError",
     "NotACheckpointError",
     "NotAStoreError",
+    "OutOfRangeError",
     "ParamNotFoundError",
     "SourceChecksumError",
     "SaveAbortedError",
@@ -113,6 +114,10 @@ class NotAStoreError(ManifestError, FileNotFoundError):
 
 class StoreExistsError(UCFormatError, FileExistsError):
     """The destination already holds data and overwriting was not requested."""
+
+
+class OutOfRangeError(UCFormatError, IndexError):
+    """A read asks for elements outside the array."""
 
 
 class StoreBusyError(StoreExistsError):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import shutil
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -43,6 +44,8 @@ KeyReader = Callable[[str], "bytes | None"]
 
 __all__ = [
     "ROOT_KEY",
+    "MAX_JSON_DEPTH",
+    "MAX_MANIFEST_BYTES",
     "commit_manifest",
     "digest_matches",
     "document_digest",
@@ -53,6 +56,12 @@ __all__ = [
     "read_manifest",
     "read_manifest_bytes",
 ]
+
+#: The largest manifest a reader accepts (docs/format.md §3.8), checked before it is read.
+MAX_MANIFEST_BYTES = 64 * 2**20
+#: The deepest JSON nesting a manifest may have (§3.8), checked before it is parsed.
+MAX_JSON_DEPTH = 200
+_JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
 
 #: The root group's metadata object: written first, so its presence marks a started convert.
 ROOT_KEY = "zarr.json"
@@ -169,18 +178,65 @@ def load_manifest(target: StoreLike) -> CheckpointManifest:
 def _file_reader(directory: Path) -> KeyReader:
     def read(key: str) -> bytes | None:
         try:
-            return (directory / key).read_bytes()
-        except (FileNotFoundError, IsADirectoryError):
+            with open(directory / key, "rb") as handle:
+                data = handle.read(MAX_MANIFEST_BYTES + 1)  # never more than the cap
+        except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
             return None
+        _check_size(len(data), str(directory))
+        return data
 
     return read
 
 
 def read_manifest_bytes(store: Store, where: str) -> bytes:
     """The manifest object of ``store``; the errors of :func:`read_manifest` when absent."""
-    from ucformat.store.keys import read_key
+    from ucformat.store.keys import read_key, run
 
-    return _read_manifest_payload(lambda key: read_key(store, key), where)
+    def read(key: str) -> bytes | None:
+        try:  # the size first: a huge object is refused without reading it
+            size = run(store.getsize(key))
+        except (FileNotFoundError, KeyError, OSError, NotImplementedError, ValueError):
+            size = None
+        if size is not None:
+            _check_size(size, where)
+        return read_key(store, key)
+
+    return _read_manifest_payload(read, where)
+
+
+def _check_size(size: int, where: str) -> None:
+    if size > MAX_MANIFEST_BYTES:
+        raise ManifestError(
+            f"{where}/{MANIFEST_KEY}: {size} bytes, more than the {MAX_MANIFEST_BYTES} a "
+            "manifest may have (docs/format.md §3.8); it is damaged or not a ucformat manifest."
+        )
+
+
+def _check_depth(payload: bytes, where: str) -> None:
+    """Refuse JSON nested deeper than :data:`MAX_JSON_DEPTH`, before parsing it."""
+    opening = payload.count(b"[") + payload.count(b"{")
+    if opening <= MAX_JSON_DEPTH:
+        return
+    import numpy as np
+
+    # Blank out strings (brackets inside them do not nest), then keep a running depth.
+    text = _JSON_STRING.sub(b'""', payload)
+    codes = np.frombuffer(text, dtype=np.uint8)
+    depth = level = 0
+    for start in range(0, codes.size, 1 << 22):  # bounded memory: 4 MiB at a time
+        block = codes[start : start + (1 << 22)]
+        steps = np.zeros(block.shape, dtype=np.int32)
+        steps[(block == ord("[")) | (block == ord("{"))] = 1
+        steps[(block == ord("]")) | (block == ord("}"))] = -1
+        running = np.cumsum(steps, dtype=np.int64) + level
+        depth = max(depth, int(running.max(initial=level)))
+        level = int(running[-1]) if running.size else level
+    if depth > MAX_JSON_DEPTH:
+        raise ManifestError(
+            f"{where}/{MANIFEST_KEY}: JSON nested {depth} levels deep, more than the "
+            f"{MAX_JSON_DEPTH} a manifest may have (docs/format.md §3.8); it is damaged or "
+            "hostile."
+        )
 
 
 def _read_manifest_payload(read: KeyReader, where: str) -> bytes:
@@ -223,9 +279,11 @@ def parse_manifest(payload: bytes, where: str, *, check_digest: bool = True) -> 
         check_digest: refuse a manifest whose digest does not match (``verify`` turns this off
             to report the mismatch and still check the arrays).
     """
+    _check_size(len(payload), where)
+    _check_depth(payload, where)
     try:
         data: Any = json.loads(payload)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
         raise ManifestError(
             f"{where}/{MANIFEST_KEY}: not valid JSON ({exc}); the manifest is damaged."
         ) from None
