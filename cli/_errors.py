@@ -43,8 +43,8 @@ def interruptible(
         def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
             try:
                 return command(*args, **kwargs)
-            except UCFormatError as exc:
-                raise fail(exc.message) from None
+            except UCFormatError as exc:  # the library names its keyword; the CLI its option
+                raise fail(exc.message.replace("overwrite=True", "--overwrite")) from None
             except OSError as exc:
                 where = f"{exc.filename}: " if exc.filename else ""
                 raise fail(f"{where}{exc.strerror or exc}") from None

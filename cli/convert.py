@@ -102,18 +102,34 @@ def convert_command(
         str | None,
         typer.Option(help="DCP only: key of the optimizer state dict [default: optimizer/optim]."),
     ] = None,
+    distributed: Annotated[
+        bool,
+        typer.Option(
+            "--distributed",
+            help="One process of a distributed convert launched by torchrun: every process "
+            "writes a share of the shards, rank 0 commits.",
+        ),
+    ] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar.")] = False,
 ) -> None:
     """Convert a DeepSpeed ZeRO-1/2/3 checkpoint or a PyTorch DCP folder into a ucformat store.
 
-    Launched by torchrun (WORLD_SIZE > 1), every process writes a share of the shards and rank 0
-    commits: torchrun [--nnodes K] --nproc_per_node N -m ucformat_cli convert SRC DST.
+    With --distributed, under torchrun, every process writes a share of the shards and rank 0
+    commits: torchrun [--nnodes K] --nproc_per_node N -m ucformat_cli convert --distributed
+    SRC DST. Without it, the convert runs in this process only, even when torchrun's
+    environment (WORLD_SIZE, RANK, MASTER_ADDR) is set.
     """
     from ucformat.write.convert import ConvertHooks, convert
     from ucformat.write.distributed_convert import launched_distributed
     from ucformat.write.execute import DEFAULT_WORKERS
 
-    if launched_distributed() and not dry_run:
+    if distributed and not launched_distributed():
+        raise typer.BadParameter(
+            "needs torchrun's environment (WORLD_SIZE > 1, RANK, MASTER_ADDR); launch it as "
+            "'torchrun --nproc_per_node N -m ucformat_cli convert --distributed SRC DST'",
+            param_hint="--distributed",
+        )
+    if distributed and not dry_run:
         _convert_distributed(
             src, dst, tag, overwrite, chunk_kib, shard_mib, compress, workers, opaque_global
         )

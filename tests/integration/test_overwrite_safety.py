@@ -64,7 +64,11 @@ def test_a_failed_overwrite_keeps_the_old_store(
     monkeypatch.setattr(ucformat.write.convert, "write_units", denied)
     result = CliRunner().invoke(app, ["convert", str(SOURCE), str(dst), "--overwrite", "-q"])
     assert result.exit_code == 2
-    assert _one_line(result.output) == f"error: {dst / 'params'}: Permission denied"
+    assert _one_line(result.output) == (
+        f"error: {dst}: writing the arrays failed (PermissionError: Permission denied); "
+        "nothing was committed. The destination (or its parent folder, which holds the staging "
+        "folder and the lock) is not writable: choose a writable destination."
+    )
     monkeypatch.undo()
     assert _snapshot(dst) == before
     assert ucformat.verify(dst, against=SOURCE).ok

@@ -161,7 +161,7 @@ def prepare_destination(
     children = sorted(out.iterdir()) if out.exists() else []
     if children and not overwrite:
         raise StoreExistsError(
-            f"{out}: already exists and is not empty; pass --overwrite to replace the files "
+            f"{out}: already exists and is not empty; pass overwrite=True to replace the files "
             "this export writes (other files are kept), or choose an empty folder."
         )
     if dry_run:

@@ -115,7 +115,7 @@ def plan_destination(
     if children and previous is None and not overwrite:
         raise StoreExistsError(
             f"{out}: already exists, is not empty and has no 'latest' file (not a DeepSpeed "
-            "checkpoint folder); pass --overwrite to replace the files this export writes "
+            "checkpoint folder); pass overwrite=True to replace the files this export writes "
             "(other files are kept), or choose an empty folder."
         )
     if tag is None:
@@ -126,7 +126,7 @@ def plan_destination(
     if exists and not overwrite:
         raise StoreExistsError(
             f"{out / tag}: already exists; pass --tag NAME to write a new tag beside it, or "
-            "--overwrite to replace it."
+            "overwrite=True to replace it."
         )
     return Destination(
         folder=out,

@@ -270,7 +270,8 @@ class SourceInfo(_Model):
     def _check_framework(self) -> SourceInfo:
         if self.framework == "deepspeed" and self.zero_stage is None:
             raise ValueError("a DeepSpeed source must record its zero_stage")
-        _refuse(component_problem(self.tag))  # exports name folders and files by it
+        if self.tag:  # exports name folders and files by it (DCP sources and live saves: "")
+            _refuse(component_problem(self.tag))
         return self
 
     def describe(self) -> str:

@@ -31,7 +31,7 @@ from ucformat.store.keys import (
 from ucformat.store.manifest_io import ROOT_KEY
 from ucformat.store.staged_local import StagedLocalStore
 from ucformat.store.write_session import acquire_writer, release_writer
-from ucformat.store.writer_lock import LOCK_KEY
+from ucformat.store.writer_lock import IN_PLACE_LOCK, LOCK_KEY
 
 __all__ = ["discard_store", "prepare_destination", "start_store"]
 
@@ -93,7 +93,7 @@ def _check_ours(root: Path, names: set[str], overwrite: bool) -> None:
     """Refuse a non-empty local destination unless ``overwrite`` and it is a ucformat store."""
     if not overwrite:
         raise StoreExistsError(
-            f"{root}: already exists and is not empty; pass --overwrite to replace it."
+            f"{root}: already exists and is not empty; pass overwrite=True to replace it."
         )
     ours = names & {MANIFEST_KEY, ROOT_KEY} or all(
         _PARTIAL_ROOT.match(name) or (name in _STORE_FOLDERS and (root / name).is_dir())
@@ -114,7 +114,7 @@ def prepare_destination(store: Store, overwrite: bool) -> bool:
     (a leftover of a killed writer) and leaves the destination as it is; an unstaged one is
     emptied in place; an object store loses its manifest first, then every other key.
     """
-    if isinstance(store, StagedLocalStore):
+    if isinstance(store, StagedLocalStore) and Path(store.root) != store.destination:
         destination = store.destination
         if destination.exists() and not destination.is_dir():
             raise StoreExistsError(
@@ -131,13 +131,14 @@ def prepare_destination(store: Store, overwrite: bool) -> bool:
     if root is not None:
         if root.exists() and not root.is_dir():
             raise StoreExistsError(f"{root}: exists and is a file; choose another destination.")
-        if not root.exists() or not any(root.iterdir()):
+        children = [p for p in root.iterdir() if p.name != IN_PLACE_LOCK] if root.exists() else []
+        if not children:
             return not root.exists()
-        _check_ours(root, {p.name for p in root.iterdir()}, overwrite)
+        _check_ours(root, {p.name for p in children}, overwrite)
         # Uncommit first and remove the root marker last, so that a crash in between leaves
         # a store that is incomplete and still recognisably ours (a re-run can overwrite it).
         delete_key(store, MANIFEST_KEY)
-        for child in sorted(root.iterdir(), key=lambda child: child.name == ROOT_KEY):
+        for child in sorted(children, key=lambda child: child.name == ROOT_KEY):
             if child.is_dir():
                 shutil.rmtree(child)
             else:
@@ -146,7 +147,7 @@ def prepare_destination(store: Store, overwrite: bool) -> bool:
     keys = [key for key in list_keys(store) if key != LOCK_KEY]
     if keys and not overwrite:
         raise StoreExistsError(
-            f"{describe_store(store)}: already holds data; pass --overwrite to replace it."
+            f"{describe_store(store)}: already holds data; pass overwrite=True to replace it."
         )
     if keys:
         delete_key(store, MANIFEST_KEY)

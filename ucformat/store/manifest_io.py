@@ -177,26 +177,34 @@ def load_manifest(target: StoreLike) -> CheckpointManifest:
 
 def _file_reader(directory: Path) -> KeyReader:
     def read(key: str) -> bytes | None:
+        path = directory / key
         try:
-            with open(directory / key, "rb") as handle:
-                data = handle.read(MAX_MANIFEST_BYTES + 1)  # never more than the cap
+            _check_size(path.stat().st_size, str(directory))  # before reading it
+            return path.read_bytes()
         except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
             return None
-        _check_size(len(data), str(directory))
-        return data
 
     return read
 
 
 def read_manifest_bytes(store: Store, where: str) -> bytes:
     """The manifest object of ``store``; the errors of :func:`read_manifest` when absent."""
+    from zarr.storage import FsspecStore, LocalStore, WrapperStore
+
     from ucformat.store.keys import read_key, run
 
+    inner = store
+    while isinstance(inner, WrapperStore):
+        inner = inner._store
+    sized = isinstance(inner, LocalStore | FsspecStore)  # a stat or a HEAD, not a read
+
     def read(key: str) -> bytes | None:
-        try:  # the size first: a huge object is refused without reading it
-            size = run(store.getsize(key))
-        except (FileNotFoundError, KeyError, OSError, NotImplementedError, ValueError):
-            size = None
+        size = None
+        if sized:  # the size first: a huge object is refused without reading it
+            try:
+                size = run(store.getsize(key))
+            except (FileNotFoundError, KeyError, OSError, NotImplementedError, ValueError):
+                size = None
         if size is not None:
             _check_size(size, where)
         return read_key(store, key)

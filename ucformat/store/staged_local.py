@@ -21,7 +21,7 @@ from typing import Any
 
 from zarr.storage import LocalStore
 
-__all__ = ["StagedLocalStore", "publish", "staging_path"]
+__all__ = ["StagedLocalStore", "in_place", "publish", "staging_path"]
 
 _RENAME_EXCHANGE = 2
 _AT_FDCWD = -100
@@ -31,6 +31,11 @@ def staging_path(destination: Path) -> Path:
     """Where a write to ``destination`` is staged."""
     destination = Path(os.path.abspath(destination))
     return destination.parent / f".{destination.name}.ucformat-staging"
+
+
+def in_place(destination: Path) -> bool:
+    """Whether a write to ``destination`` cannot be staged beside it (a mount point)."""
+    return os.path.ismount(destination)
 
 
 class StagedLocalStore(LocalStore):
@@ -43,7 +48,9 @@ class StagedLocalStore(LocalStore):
 
     def __init__(self, root: Path | str, *, read_only: bool = False) -> None:
         self.destination = Path(os.path.abspath(root))
-        super().__init__(staging_path(self.destination), read_only=read_only)
+        # A mount point cannot be renamed: it is written in place (uncommitted first, §6.2).
+        staged = self.destination if in_place(self.destination) else staging_path(self.destination)
+        super().__init__(staged, read_only=read_only)
 
     def with_read_only(self, read_only: bool = False) -> Any:
         """A plain local store at the current root (readers never see staging folders)."""

@@ -29,6 +29,7 @@ from typing import Any
 from ucformat.errors import StoreBusyError
 
 __all__ = [
+    "IN_PLACE_LOCK",
     "LOCK_KEY",
     "LockInfo",
     "acquire_local",
@@ -42,6 +43,8 @@ __all__ = [
 
 #: The lock's key inside an object-store destination (never part of a store's data).
 LOCK_KEY = "ucformat.lock"
+#: The lock's name inside a destination written in place (a mount point).
+IN_PLACE_LOCK = ".ucformat-lock"
 #: A lock file that is still empty or unparsable after this many seconds is stale (its writer
 #: died between creating and filling it).
 _UNREADABLE_GRACE_S = 30.0
@@ -98,6 +101,8 @@ def parse_lock(data: bytes) -> LockInfo | None:
 def local_lock_path(root: Path) -> Path:
     """The lock file of the local destination ``root`` (beside it, in its parent)."""
     root = Path(os.path.abspath(root))
+    if os.path.ismount(root):  # written in place (staged_local.in_place): the lock inside it
+        return root / IN_PLACE_LOCK
     return root.parent / f".{root.name}.ucformat-lock"
 
 
