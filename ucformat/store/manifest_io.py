@@ -189,14 +189,16 @@ def _file_reader(directory: Path) -> KeyReader:
 
 def read_manifest_bytes(store: Store, where: str) -> bytes:
     """The manifest object of ``store``; the errors of :func:`read_manifest` when absent."""
-    from zarr.storage import FsspecStore, LocalStore, WrapperStore
+    from zarr.storage import LocalStore, WrapperStore
 
     from ucformat.store.keys import read_key, run
 
     inner = store
     while isinstance(inner, WrapperStore):
         inner = inner._store
-    sized = isinstance(inner, LocalStore | FsspecStore)  # a stat or a HEAD, not a read
+    # Local stores: a stat first, so a huge object is refused unread; object stores check after
+    # the one GET (a HEAD would cost every open a round trip), still before parsing.
+    sized = isinstance(inner, LocalStore)
 
     def read(key: str) -> bytes | None:
         size = None
@@ -207,7 +209,10 @@ def read_manifest_bytes(store: Store, where: str) -> bytes:
                 size = None
         if size is not None:
             _check_size(size, where)
-        return read_key(store, key)
+        data = read_key(store, key)
+        if data is not None:
+            _check_size(len(data), where)
+        return data
 
     return _read_manifest_payload(read, where)
 
