@@ -189,26 +189,18 @@ def _file_reader(directory: Path) -> KeyReader:
 
 def read_manifest_bytes(store: Store, where: str) -> bytes:
     """The manifest object of ``store``; the errors of :func:`read_manifest` when absent."""
-    from zarr.storage import LocalStore, WrapperStore
-
-    from ucformat.store.keys import read_key, run
-
-    inner = store
-    while isinstance(inner, WrapperStore):
-        inner = inner._store
-    # Local stores: a stat first, so a huge object is refused unread; object stores check after
-    # the one GET (a HEAD would cost every open a round trip), still before parsing.
-    sized = isinstance(inner, LocalStore)
+    from ucformat.store.direct.objects import local_file
+    from ucformat.store.keys import read_key
 
     def read(key: str) -> bytes | None:
-        size = None
-        if sized:  # the size first: a huge object is refused without reading it
+        # Local stores: a stat first, so a huge object is refused unread; object stores are
+        # checked after the one GET (a HEAD would cost every open a round trip), before parsing.
+        path = local_file(store, key)
+        if path is not None:
             try:
-                size = run(store.getsize(key))
-            except (FileNotFoundError, KeyError, OSError, NotImplementedError, ValueError):
-                size = None
-        if size is not None:
-            _check_size(size, where)
+                _check_size(path.stat().st_size, where)
+            except FileNotFoundError:
+                return None
         data = read_key(store, key)
         if data is not None:
             _check_size(len(data), where)

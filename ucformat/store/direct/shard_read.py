@@ -227,9 +227,9 @@ def _shard_runs(
             return
         shard = _Shard(key, coords, layout, [])
         stored = layout.chunk_nbytes + CRC_BYTES
-        # Chunks are stored back to back before the index: no entry may point past them
-        # (a hostile or damaged index must not become a huge seek, mmap or allocation).
-        data_end = math.prod(layout.chunks_per_shard) * stored
+        # A shard object holds its chunks and its index: no entry may point past them (a
+        # hostile or damaged index must not become a huge seek, mmap or allocation).
+        data_end = math.prod(layout.chunks_per_shard) * stored + layout.index_nbytes
         wanted: _Chunks = []
         for slot in layout.slots:
             if slot.flat_start < stop and slot.flat_start + slot.length > start:
