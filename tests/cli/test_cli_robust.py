@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import s3fs
 
 import ucformat
 from tests.cli.helpers import assert_user_error, invoke
@@ -84,6 +85,7 @@ def test_distributed_convert_only_when_asked(
 
 
 def test_unreachable_object_store_is_one_store_write_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    s3fs.S3FileSystem.clear_instance_cache()  # fsspec caches clients across endpoints
     with socket.socket() as closed:
         closed.bind(("127.0.0.1", 0))
         port = closed.getsockname()[1]  # closed when the block ends: nothing listens there
@@ -92,6 +94,7 @@ def test_unreachable_object_store_is_one_store_write_error(monkeypatch: pytest.M
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "y")
     monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
     monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
+    monkeypatch.setattr(s3fs.S3FileSystem, "_cache", {})  # and not reused after it
     line = assert_user_error(
         invoke("convert", SOURCE / "ckpt", "s3://bucket/x.ucf", "-q"),
         "error: s3://bucket/x.ucf: locking the destination failed (EndpointConnectionError: ",

@@ -7,6 +7,7 @@ import re
 from pathlib import Path
 
 import pytest
+import s3fs
 
 import ucformat
 from tests.s3server import S3Server
@@ -17,6 +18,7 @@ SOURCE = Path(__file__).resolve().parents[1] / "fixtures" / "data" / "z3-bf16-ds
 
 
 def test_server_stopped_mid_convert(monkeypatch: pytest.MonkeyPatch) -> None:
+    s3fs.S3FileSystem.clear_instance_cache()  # fsspec caches clients across endpoints
     server = S3Server().start()
     try:
         server.create_bucket("faults")
