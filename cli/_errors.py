@@ -29,18 +29,35 @@ def fail(message: str) -> typer.Exit:
 
 def user_errors(command: Callable[P, R]) -> Callable[P, R]:
     """Decorate a command: UCFormatError/OSError -> one line on stderr, exit code 2."""
+    return interruptible(None)(command)
 
-    @functools.wraps(command)
-    def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
-        try:
-            return command(*args, **kwargs)
-        except UCFormatError as exc:
-            raise fail(exc.message) from None
-        except OSError as exc:
-            where = f"{exc.filename}: " if exc.filename else ""
-            raise fail(f"{where}{exc.strerror or exc}") from None
-        except KeyboardInterrupt:
-            stderr.print("interrupted")
-            raise typer.Exit(code=130) from None
 
-    return wrapper
+def interruptible(
+    on_interrupt: Callable[[dict[str, object]], str] | None,
+) -> Callable[[Callable[P, R]], Callable[P, R]]:
+    """:func:`user_errors`, and Ctrl-C -> one line, exit code 130, where
+    ``on_interrupt(kwargs)`` says what is left on disk."""
+
+    def decorate(command: Callable[P, R]) -> Callable[P, R]:
+        @functools.wraps(command)
+        def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+            try:
+                return command(*args, **kwargs)
+            except UCFormatError as exc:  # the library names its keyword; the CLI its option
+                raise fail(exc.message.replace("overwrite=True", "--overwrite")) from None
+            except OSError as exc:
+                where = f"{exc.filename}: " if exc.filename else ""
+                raise fail(f"{where}{exc.strerror or exc}") from None
+            except MemoryError:
+                raise fail(
+                    "out of memory: the request needs more memory than this machine has; "
+                    "read less at a time (e.g. a slice or one parameter)."
+                ) from None
+            except KeyboardInterrupt:
+                said = on_interrupt(dict(kwargs)) if on_interrupt is not None else ""
+                stderr.print(f"interrupted: {said}" if said else "interrupted", markup=False)
+                raise typer.Exit(code=130) from None
+
+        return wrapper
+
+    return decorate

@@ -17,15 +17,36 @@ from rich.progress import (
 
 from ucformat.format.summary import format_bytes
 
-from ._errors import user_errors
+from ._errors import interruptible
 
 if TYPE_CHECKING:
     from ucformat.write.plan import ConvertPlan
 
 _KIB = 1024
+#: Set once the convert has committed (what a later Ctrl-C message says).
+_COMMITTED: list[bool] = []
 
 
-@user_errors
+def _interrupted(options: dict[str, object]) -> str:
+    """The Ctrl-C message: what is left on disk (docs/format.md §6.2)."""
+    from ucformat.store.locations import local_directory
+
+    dst = str(options.get("dst"))
+    if any(_COMMITTED):
+        left = f"the store was committed before the interrupt; {dst} is complete"
+    elif options.get("dry_run"):
+        left = "nothing was written"
+    elif local_directory(dst) is not None:
+        left = f"nothing was committed; {dst} is as it was (the staged write beside it was removed)"
+    else:
+        left = (
+            f"nothing was committed; {dst} holds an uncommitted store that readers refuse "
+            "(re-run with --overwrite)"
+        )
+    return f"{left}."
+
+
+@interruptible(_interrupted)
 def convert_command(
     src: Annotated[
         str,
@@ -81,18 +102,34 @@ def convert_command(
         str | None,
         typer.Option(help="DCP only: key of the optimizer state dict [default: optimizer/optim]."),
     ] = None,
+    distributed: Annotated[
+        bool,
+        typer.Option(
+            "--distributed",
+            help="One process of a distributed convert launched by torchrun: every process "
+            "writes a share of the shards, rank 0 commits.",
+        ),
+    ] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar.")] = False,
 ) -> None:
     """Convert a DeepSpeed ZeRO-1/2/3 checkpoint or a PyTorch DCP folder into a ucformat store.
 
-    Launched by torchrun (WORLD_SIZE > 1), every process writes a share of the shards and rank 0
-    commits: torchrun [--nnodes K] --nproc_per_node N -m ucformat_cli convert SRC DST.
+    With --distributed, under torchrun, every process writes a share of the shards and rank 0
+    commits: torchrun [--nnodes K] --nproc_per_node N -m ucformat_cli convert --distributed
+    SRC DST. Without it, the convert runs in this process only, even when torchrun's
+    environment (WORLD_SIZE, RANK, MASTER_ADDR) is set.
     """
     from ucformat.write.convert import ConvertHooks, convert
     from ucformat.write.distributed_convert import launched_distributed
     from ucformat.write.execute import DEFAULT_WORKERS
 
-    if launched_distributed() and not dry_run:
+    if distributed and not launched_distributed():
+        raise typer.BadParameter(
+            "needs torchrun's environment (WORLD_SIZE > 1, RANK, MASTER_ADDR); launch it as "
+            "'torchrun --nproc_per_node N -m ucformat_cli convert --distributed SRC DST'",
+            param_hint="--distributed",
+        )
+    if distributed and not dry_run:
         _convert_distributed(
             src, dst, tag, overwrite, chunk_kib, shard_mib, compress, workers, opaque_global
         )
@@ -135,6 +172,7 @@ def convert_command(
             model_key=model_key,
             optimizer_key=optimizer_key,
         )
+        _COMMITTED.append(not dry_run)
     plan = planned[0]
     source = manifest.source
     shards = len(plan.units)

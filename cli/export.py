@@ -16,6 +16,7 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColu
 from ucformat.errors import UnsupportedExportError
 
 from ._errors import user_errors
+from ._plain import PlainCommand
 
 if TYPE_CHECKING:  # the exporters (and torch) are imported by the command that runs
     from ucformat.export import ExportHooks, ExportResult
@@ -26,6 +27,7 @@ export_app = typer.Typer(
     "checkpoint, a native DeepSpeed ZeRO checkpoint for a new world size, or a PyTorch "
     "Distributed Checkpoint.",
     no_args_is_help=True,
+    rich_markup_mode=None,  # plain help (defaults shown) and one-line usage errors
 )
 
 Store = Annotated[str, typer.Argument(help="A ucformat store: path or fsspec URL.")]
@@ -332,8 +334,8 @@ def accelerate_command(
     )
 
 
-export_app.command("safetensors")(safetensors_command)
-export_app.command("deepspeed-universal")(universal_command)
-export_app.command("deepspeed")(deepspeed_command)
-export_app.command("dcp")(dcp_command)
-export_app.command("accelerate")(accelerate_command)
+export_app.command("safetensors", cls=PlainCommand)(safetensors_command)
+export_app.command("deepspeed-universal", cls=PlainCommand)(universal_command)
+export_app.command("deepspeed", cls=PlainCommand)(deepspeed_command)
+export_app.command("dcp", cls=PlainCommand)(dcp_command)
+export_app.command("accelerate", cls=PlainCommand)(accelerate_command)

@@ -8,6 +8,7 @@ import typer
 
 from ucformat import __version__
 
+from ._plain import PlainCommand
 from .convert import convert_command
 from .export import export_app
 from .inspect import inspect_command
@@ -19,6 +20,7 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    rich_markup_mode=None,  # plain help (defaults shown) and one-line usage errors
 )
 
 
@@ -38,9 +40,9 @@ def main(
     """Universal checkpoints for DeepSpeed ZeRO."""
 
 
-app.command("convert")(convert_command)
-app.command("inspect")(inspect_command)
-app.command("verify")(verify_command)
+app.command("convert", cls=PlainCommand)(convert_command)
+app.command("inspect", cls=PlainCommand)(inspect_command)
+app.command("verify", cls=PlainCommand)(verify_command)
 app.add_typer(export_app, name="export")
 
 if __name__ == "__main__":

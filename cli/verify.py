@@ -21,6 +21,13 @@ def verify_command(
         typer.Option(help="The DeepSpeed checkpoint it came from: compare every value with it."),
     ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
+    keep_going: Annotated[
+        bool,
+        typer.Option(
+            "--keep-going",
+            help="Check the arrays even when the manifest's digest is missing or wrong.",
+        ),
+    ] = False,
     opaque_global: Annotated[
         list[str] | None,
         typer.Option(help="Pickle global the convert needed --opaque-global for. Repeatable."),
@@ -41,7 +48,11 @@ def verify_command(
     from ucformat.verify import verify
 
     report = verify(
-        store, against, opaque_globals=opaque_global or (), check_source=not no_check_source
+        store,
+        against,
+        opaque_globals=opaque_global or (),
+        check_source=not no_check_source,
+        keep_going=keep_going,
     )
     if as_json:
         typer.echo(json.dumps(report.as_dict(), indent=2))

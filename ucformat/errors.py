@@ -23,11 +23,13 @@ __all__ = [
     "ModelMismatchError",
     "NotACheckpointError",
     "NotAStoreError",
+    "OutOfRangeError",
     "ParamNotFoundError",
     "SourceChecksumError",
     "SaveAbortedError",
     "SourceNotFoundError",
     "StoreAccessError",
+    "StoreBusyError",
     "StoreExistsError",
     "StoreWriteError",
     "TruncatedFileError",
@@ -112,6 +114,14 @@ class NotAStoreError(ManifestError, FileNotFoundError):
 
 class StoreExistsError(UCFormatError, FileExistsError):
     """The destination already holds data and overwriting was not requested."""
+
+
+class OutOfRangeError(UCFormatError, IndexError):
+    """A read asks for elements outside the array."""
+
+
+class StoreBusyError(StoreExistsError):
+    """Another writer holds the destination's lock (docs/format.md §6.3)."""
 
 
 class ParamNotFoundError(UCFormatError, KeyError):

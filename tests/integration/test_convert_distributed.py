@@ -41,7 +41,7 @@ def _objects(root: Path) -> dict[str, bytes]:
 def test_two_processes_write_the_single_process_store(tmp_path: Path) -> None:
     single, spread = tmp_path / "single.ucf", tmp_path / "spread.ucf"
     ucformat.convert(SOURCE, single, chunk_bytes=1024, shard_bytes=1024 * 1024)
-    done = _torchrun(["convert", str(SOURCE), str(spread), *SMALL])
+    done = _torchrun(["convert", "--distributed", str(SOURCE), str(spread), *SMALL])
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     assert done.stdout.count("wrote ") == 1  # rank 0 reports
     assert _objects(spread) == _objects(single)
@@ -50,7 +50,9 @@ def test_two_processes_write_the_single_process_store(tmp_path: Path) -> None:
 
 def test_one_failing_process_fails_all_and_commits_nothing(tmp_path: Path) -> None:
     spread = tmp_path / "spread.ucf"
-    done = _torchrun(["convert", str(SOURCE), str(spread), *SMALL], {"UCF_TEST_FSIZE_RANK": "1"})
+    done = _torchrun(
+        ["convert", "--distributed", str(SOURCE), str(spread), *SMALL], {"UCF_TEST_FSIZE_RANK": "1"}
+    )
     assert done.returncode != 0
     errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
     # One line per process that got to print it before torchrun tore the job down, the same

@@ -302,7 +302,14 @@ def test_edited_manifest_value_fails_its_digest(on_disk: Path) -> None:
     _edit_manifest(on_disk, lambda d: d["progress"].update(global_steps=5))
     with pytest.raises(ManifestError, match="digest mismatch; the manifest was edited"):
         ucformat.open(on_disk)
-    report = ucformat.verify(on_disk)
+    report = ucformat.verify(on_disk)  # stops there: an edited manifest is not to be trusted
+    assert [str(p) for p in report.problems] == [
+        "ucformat.json: digest mismatch: edited after it was written",
+        "ucformat.json: arrays not checked: the manifest cannot be trusted (pass "
+        "keep_going=True, or --keep-going, to check them anyway)",
+    ]
+    assert report.arrays == 0
+    report = ucformat.verify(on_disk, keep_going=True)
     assert [(p.kind, p.path) for p in report.problems] == [("manifest", "ucformat.json")]
     assert "digest mismatch" in report.problems[0].message
     assert report.arrays == 20  # the arrays are still checked
@@ -320,7 +327,7 @@ def test_edited_array_reference_is_caught(on_disk: Path) -> None:
         data["params"]["emb.weight"]["states"]["fp32"]["chunk_shape"] = [3, 8]
 
     _edit_manifest(on_disk, edit)
-    report = ucformat.verify(on_disk)
+    report = ucformat.verify(on_disk, keep_going=True)
     messages = [str(p) for p in report.problems]
     assert messages == [
         "ucformat.json: digest mismatch: edited after it was written",

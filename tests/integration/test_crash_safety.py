@@ -2,8 +2,10 @@
 
 After every kill, the destination either refuses to open (incomplete, or not a store yet) or
 opens as complete, and then the convert had really finished: the store verifies against its
-source, bit for bit. Re-running ``ucformat convert --overwrite`` always succeeds and verifies.
-Half the trials kill a ``--overwrite`` run over a complete store (§6.1: uncommit first).
+source, bit for bit. Re-running ``ucformat convert --overwrite`` always succeeds and verifies
+(it takes over the killed writer's stale lock and staging folder). Half the trials kill a
+``--overwrite`` run over a complete store: the write is staged beside it (§6.2), so the old
+store stays complete.
 
 Most trials fork the CLI from a *zygote* process that has already imported ucformat, so that the
 kill times (seeded, spread over a measured full conversion) fall in the conversion itself rather
@@ -15,7 +17,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import shutil
 import signal
 import subprocess
 import sys
@@ -29,6 +30,7 @@ from typer.testing import CliRunner
 from ucformat_cli.main import app
 
 import ucformat
+import ucformat.write.convert
 from ucformat.errors import IncompleteStoreError, NotAStoreError, SourceNotFoundError
 
 SOURCE = Path(__file__).resolve().parents[1] / "fixtures" / "data" / "z3-bf16-dsadam-ftb-ws4"
@@ -138,12 +140,17 @@ def test_sigkill_at_random_moments_never_leaves_a_complete_looking_store(tmp_pat
             dst = tmp_path / f"fork{trial - trial % 2}.ucf"
             args = _convert_args(dst) + (["--overwrite"] if trial % 2 else [])
             code, _ = zygote.run(args, kill_after=rng.uniform(0, 1.25 * full))
-            states[_state_after_kill(dst, code)] += 1
+            state = _state_after_kill(dst, code)
+            if trial % 2:
+                assert state.startswith("complete"), "a killed overwrite lost the old store"
+            states[state] += 1
             _rerun_and_verify(dst)
+            assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
     finally:
         zygote.close()
     assert sum(states.values()) == FORK_TRIALS
-    assert states["incomplete"] >= 3, states  # most kills land while arrays are being written
+    assert states["incomplete"] == 0, states  # the destination is never written in place
+    assert states["not created"] >= 3, states  # most kills land while arrays are being written
 
 
 def test_sigkill_of_the_console_script(tmp_path: Path) -> None:
@@ -186,23 +193,23 @@ def test_overwrite_accepts_a_store_killed_while_writing_its_root(tmp_path: Path)
     _rerun_and_verify(dst)
 
 
-def test_a_crash_while_overwriting_leaves_an_incomplete_store(
+def test_a_crash_while_overwriting_leaves_the_old_store(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Uncommit first, remove the root marker last: a re-run can always overwrite."""
+    """A write that fails half-way through an overwrite leaves the old store complete."""
     dst = tmp_path / "out.ucf"
     _rerun_and_verify(dst)
     calls = []
 
-    def crash(path: object, *args: object, **kwargs: object) -> None:
-        calls.append(path)
+    def crash(*args: object, **kwargs: object) -> None:
+        calls.append(args)
         raise OSError("simulated crash")
 
-    monkeypatch.setattr(shutil, "rmtree", crash)
+    monkeypatch.setattr(ucformat.write.convert, "write_units", crash)
     with pytest.raises(OSError, match="simulated crash"):
         ucformat.convert(SOURCE / "ckpt", dst, overwrite=True)
     monkeypatch.undo()
-    assert calls and (dst / "zarr.json").exists()
-    with pytest.raises(IncompleteStoreError):
-        ucformat.open(dst)
+    assert calls
+    assert ucformat.verify(dst, against=SOURCE / "ckpt").ok
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out.ucf"]  # no staging, no lock
     _rerun_and_verify(dst)

@@ -20,7 +20,7 @@ FIXTURE = Path(__file__).parents[1] / "fixtures" / "data" / "z3-bf16-dsadam-ftb-
 def observe(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str]]:
     """Record ``("fsync", path)`` and ``("rename", destination)`` in call order."""
     events: list[tuple[str, str]] = []
-    fsync, replace = os.fsync, os.replace
+    fsync, replace, rename = os.fsync, os.replace, os.rename
 
     def recording_fsync(fd: int) -> None:
         events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
@@ -30,8 +30,13 @@ def observe(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str]]:
         events.append(("rename", os.fspath(dst)))
         replace(src, dst)
 
+    def recording_rename(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> None:
+        events.append(("rename", os.fspath(dst)))
+        rename(src, dst)
+
     monkeypatch.setattr(os, "fsync", recording_fsync)
     monkeypatch.setattr(os, "replace", recording_replace)
+    monkeypatch.setattr(os, "rename", recording_rename)
     return events
 
 
@@ -39,21 +44,29 @@ def test_everything_is_fsynced_around_the_commit(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     events = observe(monkeypatch)
-    store = tmp_path / "s.ucf"
-    ucformat.convert(FIXTURE, store, chunk_bytes=64, shard_bytes=256)
-    store = store.resolve()
+    final = tmp_path / "s.ucf"
+    ucformat.convert(FIXTURE, final, chunk_bytes=64, shard_bytes=256)
+    final = final.resolve()
+    store = final.parent / ".s.ucf.ucformat-staging"  # written there, then moved (§6.2)
     manifest = str(store / "ucformat.json")
     commit = events.index(("rename", manifest))
+    swap = events.index(("rename", str(final)))
     before = {path for kind, path in events[:commit] if kind == "fsync"}
-    after = [path for kind, path in events[commit + 1 :] if kind == "fsync"]
-    files = {str(p) for p in store.rglob("*") if p.is_file() and p.name != "ucformat.json"}
-    folders = {str(p) for p in store.rglob("*") if p.is_dir()} | {str(store)}
+    after = [path for kind, path in events[commit + 1 : swap] if kind == "fsync"]
+    files = {
+        str(store / p.relative_to(final))
+        for p in final.rglob("*")
+        if p.is_file() and p.name != "ucformat.json"
+    }
+    folders = {str(store / p.relative_to(final)) for p in final.rglob("*") if p.is_dir()}
+    folders |= {str(store)}
     assert len(files) > 50
     assert files <= before, sorted(files - before)[:5]
     assert folders <= before, sorted(folders - before)[:5]
     partial = [path for kind, path in events[:commit] if kind == "fsync" and ".partial" in path]
     assert partial and partial[-1].startswith(str(store / "ucformat.")), "manifest data synced"
     assert after == [str(store)], "then the rename itself, by syncing the root directory"
+    assert [path for kind, path in events[swap + 1 :] if kind == "fsync"] == [str(final.parent)]
     ordered = [path for kind, path in events[:commit] if kind == "fsync" and path in folders]
     assert ordered.index(str(store)) == len(ordered) - 1 - ordered[::-1].index(str(store))
     assert all(
@@ -61,6 +74,8 @@ def test_everything_is_fsynced_around_the_commit(
         for child in ordered
         if child != str(store)
     ), "a directory is synced after its children"
+    assert not store.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["s.ucf"]
+    store = final
     assert ucformat.verify(store).ok
 
 

@@ -127,7 +127,7 @@ def test_destination_rules(stores: dict[str, Path], tmp_path: Path) -> None:
     assert plan.summary.startswith("would write")
     export_safetensors(store, tmp_path / "out", max_shard_size=300)
     (tmp_path / "out" / "README.md").write_text("mine")
-    with pytest.raises(StoreExistsError, match="already exists and is not empty; pass --overwrite"):
+    with pytest.raises(StoreExistsError, match="is not empty; pass overwrite=True"):
         export_safetensors(store, tmp_path / "out")
     export_safetensors(store, tmp_path / "out", overwrite=True)  # one file replaces the shards
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [

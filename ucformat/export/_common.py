@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -19,6 +18,7 @@ from typing import Any
 import torch
 
 from ucformat.errors import StoreExistsError, UnsupportedExportError
+from ucformat.export._replace import begin, file_writes, remove_entry
 from ucformat.read.checkpoint import UniversalCheckpoint, open_checkpoint
 from ucformat.store.keys import StoreLike
 
@@ -161,30 +161,36 @@ def prepare_destination(
     children = sorted(out.iterdir()) if out.exists() else []
     if children and not overwrite:
         raise StoreExistsError(
-            f"{out}: already exists and is not empty; pass --overwrite to replace the files "
+            f"{out}: already exists and is not empty; pass overwrite=True to replace the files "
             "this export writes (other files are kept), or choose an empty folder."
         )
     if dry_run:
         return
+    begin(out)
     for child in children:
         if owned(child.name):
-            if child.is_dir() and not child.is_symlink():
-                shutil.rmtree(child)
-            else:
-                child.unlink()
+            remove_entry(child)  # kept aside until the export completes (export/_replace.py)
     out.mkdir(parents=True, exist_ok=True)
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
     """Write ``data`` to ``path`` through a temporary file and a rename."""
     tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
+    try:
+        with file_writes(path):
+            tmp.write_bytes(data)
+            os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def atomic_torch_save(obj: Any, path: Path) -> int:
     """``torch.save`` through a temporary file and a rename; return the file size."""
     tmp = path.with_name(f".{path.name}.tmp")
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
+    try:
+        with file_writes(path):
+            torch.save(obj, tmp)
+            os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
     return path.stat().st_size

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ucformat.errors import StoreExistsError, UnsupportedExportError
+from ucformat.export._replace import begin, remove_entry
 
 __all__ = [
     "Destination",
@@ -114,7 +115,7 @@ def plan_destination(
     if children and previous is None and not overwrite:
         raise StoreExistsError(
             f"{out}: already exists, is not empty and has no 'latest' file (not a DeepSpeed "
-            "checkpoint folder); pass --overwrite to replace the files this export writes "
+            "checkpoint folder); pass overwrite=True to replace the files this export writes "
             "(other files are kept), or choose an empty folder."
         )
     if tag is None:
@@ -125,7 +126,7 @@ def plan_destination(
     if exists and not overwrite:
         raise StoreExistsError(
             f"{out / tag}: already exists; pass --tag NAME to write a new tag beside it, or "
-            "--overwrite to replace it."
+            "overwrite=True to replace it."
         )
     return Destination(
         folder=out,
@@ -138,12 +139,11 @@ def plan_destination(
 
 def prepare_folder(dest: Destination) -> Path:
     """Create the folder, remove a tag folder being replaced; return the (empty) tag folder."""
+    begin(dest.folder)
     dest.folder.mkdir(parents=True, exist_ok=True)
     tag_dir = dest.folder / dest.tag
-    if tag_dir.is_symlink() or tag_dir.is_file():
-        tag_dir.unlink()
-    elif tag_dir.is_dir():
-        shutil.rmtree(tag_dir)
+    if tag_dir.is_symlink() or tag_dir.exists():
+        remove_entry(tag_dir)  # kept aside until the export completes (export/_replace.py)
     tag_dir.mkdir()
     return tag_dir
 

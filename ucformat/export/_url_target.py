@@ -77,7 +77,7 @@ def export_to_url(
     names = sorted({str(entry).rstrip("/").rpartition("/")[2] for entry in existing})
     if names and not overwrite:
         raise StoreExistsError(
-            f"{url}: already holds objects; pass --overwrite to replace the files this export "
+            f"{url}: already holds objects; pass overwrite=True to replace the files this export "
             "writes (other objects are kept), or choose an empty prefix."
         )
     with tempfile.TemporaryDirectory(prefix="ucformat-export-") as staging:
@@ -99,7 +99,7 @@ def export_to_url(
                 raise StoreWriteError(
                     f"{url}: uploading the export failed ({type(exc).__name__}: "
                     f"{str(exc)[:200]}); check the bucket, credentials and endpoint, then re-run "
-                    "with --overwrite."
+                    "with overwrite=True."
                 ) from None
         summary = result.summary.replace(staging, url)
     return dataclasses.replace(result, out=url, summary=summary)

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from ucformat.errors import StoreExistsError
 from ucformat.export._common import ExportHooks, ExportResult
+from ucformat.export._replace import transactional
 from ucformat.export.dcp import export_dcp
 from ucformat.read.checkpoint import UniversalCheckpoint
 from ucformat.store.keys import StoreLike
@@ -39,6 +40,7 @@ def _link_or_copy(src: Path, dst: Path) -> None:
         shutil.copy2(src, dst)
 
 
+@transactional
 def export_accelerate(
     store: StoreLike | UniversalCheckpoint,
     out: str | Path,

@@ -55,6 +55,7 @@ from ucformat.export._common import (
     prepare_destination,
 )
 from ucformat.export._dcp_metadata import dcp_metadata
+from ucformat.export._replace import transactional
 from ucformat.format.dtypes import itemsize, torch_dtype
 from ucformat.format.models import CheckpointManifest, ScalarState
 from ucformat.format.pyvalue import decode
@@ -300,6 +301,7 @@ def _owned(name: str) -> bool:
     return name == METADATA_NAME or bool(_DATA_FILE.match(name))
 
 
+@transactional
 def export_dcp(
     store: StoreLike | UniversalCheckpoint,
     out: str | Path,

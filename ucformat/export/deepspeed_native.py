@@ -49,6 +49,7 @@ from ucformat.export._deepspeed_common import (
 )
 from ucformat.export._native_files import RankFiles, frozen_fragments
 from ucformat.export._native_target import NativePlan, native_target, plan_native
+from ucformat.export._replace import transactional
 from ucformat.export._run_folder import finish_destination, plan_destination, prepare_folder
 from ucformat.export._url_target import export_to_url, is_url
 from ucformat.export.hf_trainer import trainer_notes
@@ -131,6 +132,7 @@ def _owned(tag: str) -> Any:
     return lambda name: name in (tag, LATEST_FILE)
 
 
+@transactional
 def export_deepspeed(
     store: StoreLike | UniversalCheckpoint,
     out: str | Path,

@@ -35,6 +35,7 @@ from ucformat.export._deepspeed_common import (
 )
 from ucformat.export._native_files import RankFiles
 from ucformat.export._native_target import NativeTarget, native_target, plan_native
+from ucformat.export._replace import transactional
 from ucformat.format.models import CheckpointManifest
 from ucformat.format.tensor_parallel import ParamSplit
 from ucformat.layout.tensor_parallel import Piece, ShardMap
@@ -113,6 +114,7 @@ class _ShardView:
         return self.read_range(name, state, 0, numel).reshape(shard.shard_shape)
 
 
+@transactional
 def export_deepspeed_tensor_parallel(
     store: StoreLike | UniversalCheckpoint,
     out: str | Path,

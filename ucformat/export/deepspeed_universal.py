@@ -50,6 +50,7 @@ from ucformat.export._deepspeed_common import (
     module_state_dict,
     require_optimizer,
 )
+from ucformat.export._replace import transactional
 from ucformat.export._url_target import export_to_url, is_url
 from ucformat.format.models import CheckpointManifest
 from ucformat.format.pyvalue import decode
@@ -157,6 +158,7 @@ def _model_states(
     )
 
 
+@transactional
 def export_deepspeed_universal(
     store: StoreLike | UniversalCheckpoint,
     out: str | Path,

@@ -45,6 +45,7 @@ from ucformat.export._common import (
     parse_size,
     prepare_destination,
 )
+from ucformat.export._replace import transactional
 from ucformat.export._url_target import export_to_url, is_url
 from ucformat.export.hf_names import HF_LLAMA, NAMINGS, hf_llama_tensors, llama_config
 from ucformat.format.dtypes import itemsize, torch_dtype
@@ -292,6 +293,7 @@ def _owned(name: str) -> bool:
     return name in (SINGLE_NAME, INDEX_NAME, CONFIG_NAME) or bool(_SHARD_NAME.match(name))
 
 
+@transactional
 def export_safetensors(
     store: StoreLike | UniversalCheckpoint,
     out: str | Path,

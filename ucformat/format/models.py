@@ -29,6 +29,13 @@ from pydantic import (
     model_validator,
 )
 
+from ucformat.format.bounds import (
+    array_shape_problem,
+    component_problem,
+    entry_name_problems,
+    relative_path_problem,
+    shape_problem,
+)
 from ucformat.format.experts import ExpertLayout
 from ucformat.format.megatron import MegatronLayout
 from ucformat.format.names import model_name
@@ -68,6 +75,12 @@ FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
 IGNORE_UNKNOWN: dict[str, bool] = {"ignore_unknown_members": True}
 
 
+def _refuse(problem: str | None) -> None:
+    """Fail validation with ``problem`` (docs/format.md §2.4, §3.8), if any."""
+    if problem is not None:
+        raise ValueError(problem)
+
+
 class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -100,6 +113,11 @@ class ArrayRef(_Model):
     nbytes: int = Field(ge=0, description="Uncompressed size of the values in bytes.")
     compressor: Literal["none", "zstd"] = "none"
 
+    @model_validator(mode="after")
+    def _check_shapes(self) -> ArrayRef:
+        _refuse(array_shape_problem(self.shape, self.chunk_shape, self.shard_shape))
+        return self
+
 
 class ScalarState(_Model):
     """A 0-d optimizer state (e.g. Adam's ``step``), kept in the manifest with its original type."""
@@ -130,6 +148,12 @@ class ParamEntry(_Model):
         default_factory=list, description="Tied names that share this parameter's storage."
     )
 
+    @field_validator("shape")
+    @classmethod
+    def _check_shape(cls, value: list[int]) -> list[int]:
+        _refuse(shape_problem(value))
+        return value
+
     @property
     def numel(self) -> int:
         """Number of elements."""
@@ -142,6 +166,12 @@ class BufferEntry(_Model):
     shape: list[int]
     dtype: DTypeName
     array: ArrayRef
+
+    @field_validator("shape")
+    @classmethod
+    def _check_shape(cls, value: list[int]) -> list[int]:
+        _refuse(shape_problem(value))
+        return value
 
 
 class OptimizerGroup(_Model):
@@ -204,6 +234,12 @@ class SourceFile(_Model):
     name: str
     size: int
 
+    @field_validator("name")
+    @classmethod
+    def _check_name(cls, value: str) -> str:
+        _refuse(relative_path_problem(value))
+        return value
+
 
 class SourceInfo(_Model):
     """Provenance: what wrote the state the store holds.
@@ -246,6 +282,8 @@ class SourceInfo(_Model):
     def _check_framework(self) -> SourceInfo:
         if self.framework == "deepspeed" and self.zero_stage is None:
             raise ValueError("a DeepSpeed source must record its zero_stage")
+        if self.tag:  # exports name folders and files by it (DCP sources and live saves: "")
+            _refuse(component_problem(self.tag))
         return self
 
     def describe(self) -> str:
@@ -306,6 +344,16 @@ class CheckpointManifest(_Model):
 
     @model_validator(mode="after")
     def _check_references(self) -> CheckpointManifest:
+        _refuse(
+            entry_name_problems(
+                (
+                    (fqn, ((state, ref.path) for state, ref in entry.states.items()), entry.aliases)
+                    for fqn, entry in self.params.items()
+                ),
+                ((fqn, entry.array.path) for fqn, entry in self.buffers.items()),
+                self.tied.items(),
+            )
+        )
         for alias, owner in self.tied.items():
             if owner not in self.params:
                 raise ValueError(f"tied alias {alias!r} points to unknown param {owner!r}")

@@ -17,6 +17,7 @@ span is one range read, so every chunk is fetched once.
 from __future__ import annotations
 
 import functools
+import math
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -24,7 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ucformat.errors import ParamNotFoundError
+from ucformat.errors import OutOfRangeError, ParamNotFoundError
 from ucformat.format.dtypes import numpy_storage_dtype, storage_to_torch, torch_dtype
 from ucformat.format.models import ArrayRef, CheckpointManifest, ScalarState
 from ucformat.format.spec import BUFFER_STATE, FP32_STATE, VALUE_STATE, shard_object_key
@@ -158,8 +159,18 @@ class UniversalCheckpoint:
         return torch.empty(0, dtype=dtype)
 
     def read_range(self, name: str, state: str, start: int, stop: int) -> torch.Tensor:
-        """Flat elements ``[start, stop)`` of ``state`` of ``name`` as a 1-D tensor."""
+        """Flat elements ``[start, stop)`` of ``state`` of ``name`` as a 1-D tensor.
+
+        Raises:
+            OutOfRangeError: not ``0 <= start <= stop <= numel``.
+        """
         ref = self.array_ref(name, state)
+        numel = math.prod(ref.shape)
+        if not 0 <= start <= stop <= numel:
+            raise OutOfRangeError(
+                f"{name} {state}: elements [{start}, {stop}) are outside the array's "
+                f"[0, {numel}); give 0 <= start <= stop <= {numel}."
+            )
         out = prefaulted_empty(stop - start, numpy_storage_dtype(ref.dtype))
         self.read_range_into(ref, start, stop, out)
         tensor = storage_to_torch(out, ref.dtype)

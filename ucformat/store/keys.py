@@ -8,6 +8,7 @@ so a missing data object is a loss, never a silent fill value.
 from __future__ import annotations
 
 import contextlib
+import errno
 from collections.abc import AsyncIterator, Coroutine, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
@@ -19,6 +20,7 @@ from zarr.storage import FsspecStore, LocalStore, WrapperStore
 
 from ucformat.errors import StoreAccessError, StoreWriteError, UCFormatError
 from ucformat.store.locations import existing_store_directory, local_directory
+from ucformat.store.staged_local import StagedLocalStore
 
 __all__ = [
     "Store",
@@ -57,10 +59,15 @@ def local_root(store: Store) -> Path | None:
 def open_store(target: StoreLike, *, read_only: bool) -> Store:
     """Turn a path, an fsspec URL or a zarr store into a zarr store.
 
+    A local directory opened for writing is a :class:`StagedLocalStore`: the write goes to a
+    staging folder beside the destination and is swapped into place at the commit.
+
     Raises:
         SourceNotFoundError: a local path opened read-only does not exist.
         NotAStoreError: a local path opened read-only is a file.
     """
+    if type(target) is LocalStore and not read_only:
+        return StagedLocalStore(target.root)
     if isinstance(target, Store):
         return (
             target
@@ -78,13 +85,16 @@ def open_store(target: StoreLike, *, read_only: bool) -> Store:
             ) from None
     if read_only:
         existing_store_directory(path)
-    return LocalStore(path, read_only=read_only)
+        return LocalStore(path, read_only=True)
+    return StagedLocalStore(path)
 
 
 def describe_store(store: Store) -> str:
     """Where ``store`` is, for messages: its URL (``s3://bucket/prefix``) or local root."""
     while isinstance(store, WrapperStore):
         store = store._store
+    if isinstance(store, StagedLocalStore):
+        return str(store.destination)
     if isinstance(store, LocalStore):
         return str(store.root)
     if isinstance(store, FsspecStore):
@@ -106,13 +116,46 @@ def store_writes(store: Store, what: str) -> Iterator[None]:
         yield
     except UCFormatError:
         raise
-    except OSError as exc:
-        reason = exc.strerror or str(exc) or type(exc).__name__
+    except Exception as exc:
+        if not isinstance(exc, OSError) and not _is_transport_error(exc):
+            raise
+        reason = (exc.strerror if isinstance(exc, OSError) else None) or str(exc)
+        reason = reason or type(exc).__name__
         raise StoreWriteError(
             f"{describe_store(store)}: {what} failed ({type(exc).__name__}: "
-            f"{reason[:200]}); nothing was committed. Check the destination (bucket, "
-            "credentials, endpoint, free space) and re-run with --overwrite."
+            f"{reason[:200]}); nothing was committed. {_write_hint(store, exc)}"
         ) from None
+
+
+def _is_transport_error(exc: BaseException) -> bool:
+    """An object store's client error that is no ``OSError`` (botocore's
+    ``EndpointConnectionError`` for an unreachable or stopped server, ...)."""
+    return any(
+        kind.__module__.split(".")[0] in ("botocore", "aiobotocore", "aiohttp")
+        for kind in type(exc).__mro__
+    )
+
+
+def _write_hint(store: Store, exc: Exception) -> str:
+    """What to do about a failed write, by its cause."""
+    local = isinstance(store, LocalStore)
+    if not isinstance(exc, OSError):
+        return (
+            "The object store did not answer (endpoint, network, server): check it, then "
+            "re-run with overwrite=True."
+        )
+    if exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM) or isinstance(exc, PermissionError):
+        if local:
+            return (
+                "The destination (or its parent folder, which holds the staging folder and the "
+                "lock) is not writable: choose a writable destination."
+            )
+        return "Check the bucket's permissions and the credentials, then re-run."
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return "The disk is full: free some space, then re-run."
+    if local:
+        return "Check the destination folder, then re-run."
+    return "Check the destination (bucket, credentials, endpoint), then re-run with overwrite=True."
 
 
 def read_key(store: Store, key: str) -> bytes | None:

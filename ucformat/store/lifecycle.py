@@ -1,82 +1,154 @@
-"""A store's lifecycle around a write: prepare the destination, discard a failed write.
+"""A store's lifecycle around a write: lock and prepare the destination, discard a failed write.
 
-The commit itself (the manifest written last) is :func:`ucformat.store.manifest_io.commit_manifest`.
-Every writer (offline convert, live saves, distributed convert) goes through these functions.
+The commit itself (the manifest written last, then the staged store swapped into place and the
+lock released) is :func:`ucformat.store.manifest_io.commit_manifest`. Every writer (offline
+convert, live saves, distributed convert) goes through these functions (docs/format.md §6):
+
+* :func:`start_store` takes the destination's writer lock, checks the destination and writes
+  the root group: into the staging folder beside a local destination (the destination itself,
+  a previous store included, is left as it is until the commit), or into the destination
+  prefix of an object store (whose previous manifest is deleted first);
+* :func:`discard_store` removes what a failed write staged and releases the lock.
 """
 
 from __future__ import annotations
 
 import re
 import shutil
+from pathlib import Path
 
 from ucformat.errors import StoreExistsError
 from ucformat.format.spec import FORMAT_NAME, FORMAT_VERSION, MANIFEST_KEY
 from ucformat.store.arrays import create_root_group
-from ucformat.store.keys import Store, delete_key, list_keys, local_root, store_writes
+from ucformat.store.keys import (
+    Store,
+    delete_key,
+    describe_store,
+    list_keys,
+    local_root,
+    store_writes,
+)
 from ucformat.store.manifest_io import ROOT_KEY
+from ucformat.store.staged_local import StagedLocalStore
+from ucformat.store.write_session import acquire_writer, release_writer
+from ucformat.store.writer_lock import IN_PLACE_LOCK, LOCK_KEY
 
 __all__ = ["discard_store", "prepare_destination", "start_store"]
 
 #: What zarr's LocalStore leaves at the root when killed while writing a root object.
 _PARTIAL_ROOT = re.compile(r"^(zarr|ucformat)\.[0-9a-f]{32}\.partial$")
+#: Top-level folders of a store (format.md §2): a folder holding only these (and root objects)
+#: is one an interrupted ucformat write left, and may be overwritten.
+_STORE_FOLDERS = frozenset({"params", "buffers"})
 
 
 def start_store(store: Store, overwrite: bool) -> bool:
-    """Empty ``store`` (see ``overwrite``) and write its root group: an uncommitted store.
+    """Lock the destination, check it (see ``overwrite``) and write the root group: an
+    uncommitted store.
 
     Returns:
-        True if the store did not exist before (local stores), for :func:`discard_store`.
+        True if the destination did not exist before (local stores), for :func:`discard_store`.
 
     Raises:
+        StoreBusyError: another writer holds the destination's lock.
         StoreExistsError: the destination holds data and ``overwrite`` is off, or it holds
             something that is not a ucformat store.
+        StoreWriteError: the destination cannot be written (permissions, space, network).
     """
-    with store_writes(store, "preparing the destination"):
-        created = prepare_destination(store, overwrite)
-    with store_writes(store, f"writing {ROOT_KEY}"):
-        create_root_group(
-            store, {FORMAT_NAME: {"format_version": FORMAT_VERSION, "manifest": MANIFEST_KEY}}
-        )
+    with store_writes(store, "locking the destination"):
+        acquire_writer(store)
+    try:
+        with store_writes(store, "preparing the destination"):
+            created = prepare_destination(store, overwrite)
+        with store_writes(store, f"writing {ROOT_KEY}"):
+            create_root_group(
+                store, {FORMAT_NAME: {"format_version": FORMAT_VERSION, "manifest": MANIFEST_KEY}}
+            )
+    except BaseException:
+        discard_store(store, False)
+        raise
     return created
 
 
 def discard_store(store: Store, created: bool) -> None:
-    """Remove a store a failed write created (local stores; others stay uncommitted)."""
-    root = local_root(store)
-    if created and root is not None:
-        shutil.rmtree(root, ignore_errors=True)
+    """Remove what a failed write left and release the lock.
+
+    A staged local write removes its staging folder (the destination is untouched: a previous
+    store stays complete); an unstaged local store is removed if the write ``created`` it; an
+    object store is left uncommitted (its previous manifest was deleted by :func:`start_store`).
+    """
+    try:
+        if isinstance(store, StagedLocalStore):
+            if Path(store.root) != store.destination:  # never the published destination
+                shutil.rmtree(store.root, ignore_errors=True)
+        else:
+            root = local_root(store)
+            if created and root is not None:
+                shutil.rmtree(root, ignore_errors=True)
+    finally:
+        release_writer(store)
+
+
+def _check_ours(root: Path, names: set[str], overwrite: bool) -> None:
+    """Refuse a non-empty local destination unless ``overwrite`` and it is a ucformat store."""
+    if not overwrite:
+        raise StoreExistsError(
+            f"{root}: already exists and is not empty; pass overwrite=True to replace it."
+        )
+    ours = names & {MANIFEST_KEY, ROOT_KEY} or all(
+        _PARTIAL_ROOT.match(name) or (name in _STORE_FOLDERS and (root / name).is_dir())
+        for name in names
+    )
+    if not ours:
+        raise StoreExistsError(
+            f"{root}: exists and is not a ucformat store (no {ROOT_KEY} or {MANIFEST_KEY}); "
+            "refusing to overwrite it. Choose an empty or new destination."
+        )
 
 
 def prepare_destination(store: Store, overwrite: bool) -> bool:
-    """Make ``store`` empty; return True if it did not exist before (local stores)."""
+    """Check the destination and empty what the write will fill; return True if the
+    destination did not exist before (local stores).
+
+    The caller holds the destination's lock. A staged local store empties its staging folder
+    (a leftover of a killed writer) and leaves the destination as it is; an unstaged one is
+    emptied in place; an object store loses its manifest first, then every other key.
+    """
+    if isinstance(store, StagedLocalStore) and Path(store.root) != store.destination:
+        destination = store.destination
+        if destination.exists() and not destination.is_dir():
+            raise StoreExistsError(
+                f"{destination}: exists and is a file; choose another destination."
+            )
+        names = {p.name for p in destination.iterdir()} if destination.exists() else set()
+        if names:
+            _check_ours(destination, names, overwrite)
+        staging = Path(store.root)
+        if staging.exists():
+            shutil.rmtree(staging)
+        return not destination.exists()
     root = local_root(store)
     if root is not None:
         if root.exists() and not root.is_dir():
             raise StoreExistsError(f"{root}: exists and is a file; choose another destination.")
-        if not root.exists() or not any(root.iterdir()):
+        children = [p for p in root.iterdir() if p.name != IN_PLACE_LOCK] if root.exists() else []
+        if not children:
             return not root.exists()
-        names = {p.name for p in root.iterdir()}
-        if not overwrite:
-            raise StoreExistsError(
-                f"{root}: already exists and is not empty; pass --overwrite to replace it."
-            )
-        if not names & {MANIFEST_KEY, ROOT_KEY} and not all(map(_PARTIAL_ROOT.match, names)):
-            raise StoreExistsError(
-                f"{root}: exists and is not a ucformat store (no {ROOT_KEY} or {MANIFEST_KEY}); "
-                "refusing to overwrite it. Choose an empty or new destination."
-            )
+        _check_ours(root, {p.name for p in children}, overwrite)
         # Uncommit first and remove the root marker last, so that a crash in between leaves
         # a store that is incomplete and still recognisably ours (a re-run can overwrite it).
         delete_key(store, MANIFEST_KEY)
-        for child in sorted(root.iterdir(), key=lambda child: child.name == ROOT_KEY):
+        for child in sorted(children, key=lambda child: child.name == ROOT_KEY):
             if child.is_dir():
                 shutil.rmtree(child)
             else:
                 child.unlink()
         return False
-    keys = list_keys(store)
+    keys = [key for key in list_keys(store) if key != LOCK_KEY]
     if keys and not overwrite:
-        raise StoreExistsError(f"{store}: already holds data; pass --overwrite to replace it.")
+        raise StoreExistsError(
+            f"{describe_store(store)}: already holds data; pass overwrite=True to replace it."
+        )
     if keys:
         delete_key(store, MANIFEST_KEY)
         for key in sorted(keys, key=lambda key: key == ROOT_KEY):

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
+import shutil
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -42,6 +44,8 @@ KeyReader = Callable[[str], "bytes | None"]
 
 __all__ = [
     "ROOT_KEY",
+    "MAX_JSON_DEPTH",
+    "MAX_MANIFEST_BYTES",
     "commit_manifest",
     "digest_matches",
     "document_digest",
@@ -52,6 +56,12 @@ __all__ = [
     "read_manifest",
     "read_manifest_bytes",
 ]
+
+#: The largest manifest a reader accepts (docs/format.md §3.8), checked before it is read.
+MAX_MANIFEST_BYTES = 64 * 2**20
+#: The deepest JSON nesting a manifest may have (§3.8), checked before it is parsed.
+MAX_JSON_DEPTH = 200
+_JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
 
 #: The root group's metadata object: written first, so its presence marks a started convert.
 ROOT_KEY = "zarr.json"
@@ -106,18 +116,33 @@ def commit_manifest(
     already in the store is fsynced first, then the manifest is written to a temporary file,
     fsynced, renamed into place and the root directory fsynced: once this returns, a power loss
     cannot leave a committed manifest whose shards were lost. Other stores get one ``set``.
+    A staged local store is then swapped onto its destination (the previous store, if any, is
+    removed), and the destination's writer lock is released (docs/format.md §6).
     """
     from ucformat.store.direct.objects import local_file
-    from ucformat.store.keys import write_key
+    from ucformat.store.keys import store_writes, write_key
+    from ucformat.store.staged_local import StagedLocalStore, publish
+    from ucformat.store.write_session import release_writer
 
     stamped = manifest.model_copy(update={"digest": manifest_digest(manifest)})
     payload = stamped.model_dump_json(indent=1).encode()
     path = local_file(store, MANIFEST_KEY) if durable else None
-    if path is None:
-        write_key(store, MANIFEST_KEY, payload)
-        return stamped
-    sync_tree(path.parent)
-    write_file_durably(path, payload)
+    try:
+        if path is None:
+            write_key(store, MANIFEST_KEY, payload)
+        else:
+            with store_writes(store, f"writing {MANIFEST_KEY}"):
+                sync_tree(path.parent)
+                write_file_durably(path, payload)
+        if isinstance(store, StagedLocalStore):  # the commit point of a local store: the swap
+            with store_writes(store, "moving the staged store into place"):
+                publish(store, durable=durable)
+    except BaseException:
+        if isinstance(store, StagedLocalStore) and Path(store.root) != store.destination:
+            shutil.rmtree(store.root, ignore_errors=True)  # not committed: the old store stays
+        raise
+    finally:
+        release_writer(store)
     return stamped
 
 
@@ -152,9 +177,11 @@ def load_manifest(target: StoreLike) -> CheckpointManifest:
 
 def _file_reader(directory: Path) -> KeyReader:
     def read(key: str) -> bytes | None:
+        path = directory / key
         try:
-            return (directory / key).read_bytes()
-        except (FileNotFoundError, IsADirectoryError):
+            _check_size(path.stat().st_size, str(directory))  # before reading it
+            return path.read_bytes()
+        except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
             return None
 
     return read
@@ -162,9 +189,59 @@ def _file_reader(directory: Path) -> KeyReader:
 
 def read_manifest_bytes(store: Store, where: str) -> bytes:
     """The manifest object of ``store``; the errors of :func:`read_manifest` when absent."""
+    from ucformat.store.direct.objects import local_file
     from ucformat.store.keys import read_key
 
-    return _read_manifest_payload(lambda key: read_key(store, key), where)
+    def read(key: str) -> bytes | None:
+        # Local stores: a stat first, so a huge object is refused unread; object stores are
+        # checked after the one GET (a HEAD would cost every open a round trip), before parsing.
+        path = local_file(store, key)
+        if path is not None:
+            try:
+                _check_size(path.stat().st_size, where)
+            except FileNotFoundError:
+                return None
+        data = read_key(store, key)
+        if data is not None:
+            _check_size(len(data), where)
+        return data
+
+    return _read_manifest_payload(read, where)
+
+
+def _check_size(size: int, where: str) -> None:
+    if size > MAX_MANIFEST_BYTES:
+        raise ManifestError(
+            f"{where}/{MANIFEST_KEY}: {size} bytes, more than the {MAX_MANIFEST_BYTES} a "
+            "manifest may have (docs/format.md §3.8); it is damaged or not a ucformat manifest."
+        )
+
+
+def _check_depth(payload: bytes, where: str) -> None:
+    """Refuse JSON nested deeper than :data:`MAX_JSON_DEPTH`, before parsing it."""
+    opening = payload.count(b"[") + payload.count(b"{")
+    if opening <= MAX_JSON_DEPTH:
+        return
+    import numpy as np
+
+    # Blank out strings (brackets inside them do not nest), then keep a running depth.
+    text = _JSON_STRING.sub(b'""', payload)
+    codes = np.frombuffer(text, dtype=np.uint8)
+    depth = level = 0
+    for start in range(0, codes.size, 1 << 22):  # bounded memory: 4 MiB at a time
+        block = codes[start : start + (1 << 22)]
+        steps = np.zeros(block.shape, dtype=np.int32)
+        steps[(block == ord("[")) | (block == ord("{"))] = 1
+        steps[(block == ord("]")) | (block == ord("}"))] = -1
+        running = np.cumsum(steps, dtype=np.int64) + level
+        depth = max(depth, int(running.max(initial=level)))
+        level = int(running[-1]) if running.size else level
+    if depth > MAX_JSON_DEPTH:
+        raise ManifestError(
+            f"{where}/{MANIFEST_KEY}: JSON nested {depth} levels deep, more than the "
+            f"{MAX_JSON_DEPTH} a manifest may have (docs/format.md §3.8); it is damaged or "
+            "hostile."
+        )
 
 
 def _read_manifest_payload(read: KeyReader, where: str) -> bytes:
@@ -207,9 +284,11 @@ def parse_manifest(payload: bytes, where: str, *, check_digest: bool = True) -> 
         check_digest: refuse a manifest whose digest does not match (``verify`` turns this off
             to report the mismatch and still check the arrays).
     """
+    _check_size(len(payload), where)
+    _check_depth(payload, where)
     try:
         data: Any = json.loads(payload)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
         raise ManifestError(
             f"{where}/{MANIFEST_KEY}: not valid JSON ({exc}); the manifest is damaged."
         ) from None

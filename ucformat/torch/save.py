@@ -415,6 +415,8 @@ def save(
             create_arrays(zstore, plan.arrays)
         except (UCFormatError, OSError) as exc:
             failure = exc
+            if zstore is not None:  # release the lock, remove what was staged
+                discard_store(zstore, created)
     _agree(failure, where)
     try:  # 3-4: pieces to their writers, then every rank writes its shards
         _exchange(writes)

@@ -153,6 +153,7 @@ def verify(
     *,
     opaque_globals: Iterable[str] = (),
     check_source: bool = True,
+    keep_going: bool = False,
 ) -> VerifyReport:
     """Check every byte of a ucformat store, optionally against its source checkpoint.
 
@@ -164,6 +165,9 @@ def verify(
         opaque_globals: pickle globals the convert needed ``--opaque-global`` for.
         check_source: with ``against``, compare every source tensor storage read with its
             file's zip CRC-32; a damaged source file is an error (it cannot be the reference).
+        keep_going: check the arrays even when the manifest's digest is missing or does not
+            match (by default verify stops there: an edited manifest's shapes are not to be
+            trusted with the time and memory a check takes).
 
     Returns:
         The report; ``report.ok`` is True only if every check holds.
@@ -193,6 +197,14 @@ def verify(
         report.add("manifest", MANIFEST_KEY, exc.message.removeprefix(f"{where}/{MANIFEST_KEY}: "))
         return report
     arrays = _check_manifest(manifest, json.loads(payload), report)
+    if report.problems and not keep_going:
+        report.add(
+            "manifest",
+            MANIFEST_KEY,
+            "arrays not checked: the manifest cannot be trusted (pass keep_going=True, or "
+            "--keep-going, to check them anyway)",
+        )
+        return report
     lenient = is_newer_minor(manifest.format_version)  # zarr.json may hold newer members too
     _check_root(checked, manifest, report, lenient)
     keys = set(list_keys(checked))

@@ -14,6 +14,7 @@ from ucformat.sources.safe_unpickle import PicklePolicy
 from ucformat.store.keys import (
     StoreLike,
     open_store,
+    store_writes,
 )
 from ucformat.store.lifecycle import discard_store, start_store
 from ucformat.store.locations import local_source
@@ -129,13 +130,14 @@ def convert(
         store = open_store(dst, read_only=False)
         created = start_store(store, overwrite)
         try:
-            arrays = create_arrays(store, plan)
-            write_units(plan, arrays, plan.units, workers=workers, progress=hooks.on_bytes)
+            with store_writes(store, "writing the arrays"):
+                arrays = create_arrays(store, plan)
+                write_units(plan, arrays, plan.units, workers=workers, progress=hooks.on_bytes)
             source.check_integrity()  # before the commit: a damaged source never looks complete
+            return commit_manifest(store, plan.manifest, durable=fsync)
         except BaseException:
             discard_store(store, created)
             raise
-        return commit_manifest(store, plan.manifest, durable=fsync)
 
 
 def convert_options(

@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from ucformat.write.convert import ConvertHooks
     from ucformat.write.spread import SpreadReport
 
-__all__ = ["convert_distributed", "launched_distributed"]
+__all__ = ["JOIN_TIMEOUT_S", "convert_distributed", "join_process_group", "launched_distributed"]
 
 
 def launched_distributed() -> bool:
@@ -38,6 +38,35 @@ def launched_distributed() -> bool:
     except ValueError:
         return False
     return world > 1 and "RANK" in os.environ and "MASTER_ADDR" in os.environ
+
+
+#: How long a process waits for the others to join (``UCFORMAT_JOIN_TIMEOUT_S``, seconds).
+JOIN_TIMEOUT_S = 300.0
+
+
+def join_process_group() -> None:
+    """Join torchrun's process group (gloo), waiting at most ``UCFORMAT_JOIN_TIMEOUT_S``.
+
+    Raises:
+        DistributedWriteError: the other processes did not join in time (one line).
+    """
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from ucformat.errors import DistributedWriteError
+
+    seconds = float(os.environ.get("UCFORMAT_JOIN_TIMEOUT_S", JOIN_TIMEOUT_S))
+    rank, world = os.environ.get("RANK", "?"), os.environ.get("WORLD_SIZE", "?")
+    where = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
+    try:
+        dist.init_process_group(backend="gloo", timeout=timedelta(seconds=seconds))
+    except (RuntimeError, ValueError) as exc:  # DistStoreError / DistNetworkError / timeouts
+        raise DistributedWriteError(
+            f"rank {rank} of {world}: the other processes did not join at {where} within "
+            f"{seconds:.0f}s ({type(exc).__name__}); start all {world} with the same torchrun "
+            "command, or set UCFORMAT_JOIN_TIMEOUT_S."
+        ) from None
 
 
 def convert_distributed(
@@ -82,7 +111,7 @@ def convert_distributed(
     hooks = hooks or ConvertHooks()
     joined = False
     if not dist.is_initialized():
-        dist.init_process_group(backend="gloo")
+        join_process_group()
         joined = True
     try:
         ranks = group()

@@ -104,7 +104,10 @@ def write_units(
             if progress is not None:
                 progress(done)
         return
-    with ThreadPoolExecutor(max_workers=workers) as pool:
+    pool = ThreadPoolExecutor(max_workers=workers)
+    try:
         for done in pool.map(run, units):
             if progress is not None:
                 progress(done)
+    finally:  # on an error or Ctrl-C: drop queued units, wait for those in flight (no write
+        pool.shutdown(wait=True, cancel_futures=True)  # may land after the caller's cleanup)

@@ -32,6 +32,7 @@ Three outcomes, never confused (:class:`DirectRead`):
 from __future__ import annotations
 
 import enum
+import math
 import mmap
 import os
 from collections.abc import Callable, Iterator, Sequence
@@ -226,6 +227,9 @@ def _shard_runs(
             return
         shard = _Shard(key, coords, layout, [])
         stored = layout.chunk_nbytes + CRC_BYTES
+        # A shard object holds its chunks and its index: no entry may point past them (a
+        # hostile or damaged index must not become a huge seek, mmap or allocation).
+        data_end = math.prod(layout.chunks_per_shard) * stored + layout.index_nbytes
         wanted: _Chunks = []
         for slot in layout.slots:
             if slot.flat_start < stop and slot.flat_start + slot.length > start:
@@ -237,6 +241,12 @@ def _shard_runs(
                     yield _corrupt(
                         f"{shard.chunk(slot)} is {nbytes} bytes in the index of '{key}', "
                         f"expected {stored}"
+                    )
+                    return
+                if offset + stored > data_end:
+                    yield _corrupt(
+                        f"{shard.chunk(slot)} is at offset {offset} in the index of '{key}', "
+                        f"past the {data_end} bytes of chunks the shard can hold"
                     )
                     return
                 wanted.append((offset, slot))

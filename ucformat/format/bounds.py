@@ -1,0 +1,130 @@
+"""What a manifest may say before anything reads or writes by it (docs/format.md §2.4, §3.8).
+
+Pure checks used by the validators of :mod:`ucformat.format.models`: every name and path that
+comes from a manifest is one the key rule admits (so no reader, verifier or export ever reaches
+outside the store or the export folder), and every array's shape, chunk and shard are sane
+(no zero chunk, no array larger than :data:`MAX_ARRAY_ELEMENTS`).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterable
+
+from ucformat.format.spec import (
+    MAX_NAME_BYTES,
+    buffer_array_path,
+    name_problem,
+    state_array_path,
+)
+
+__all__ = [
+    "MAX_ARRAY_DIMS",
+    "MAX_ARRAY_ELEMENTS",
+    "array_shape_problem",
+    "component_problem",
+    "entry_name_problems",
+    "relative_path_problem",
+    "shape_problem",
+]
+
+#: The most elements one array may declare (2**47, about 1.4e14: 563 TB of float32).
+MAX_ARRAY_ELEMENTS = 2**47
+#: The most dimensions one array may declare.
+MAX_ARRAY_DIMS = 32
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+
+def shape_problem(shape: list[int]) -> str | None:
+    """Why ``shape`` is not an array shape this reader accepts, or None."""
+    if len(shape) > MAX_ARRAY_DIMS:
+        return f"it has {len(shape)} dimensions, more than {MAX_ARRAY_DIMS}"
+    if any(n < 0 for n in shape):
+        return f"shape {shape} has a negative extent"
+    if math.prod(shape) > MAX_ARRAY_ELEMENTS:
+        return f"shape {shape} has more than {MAX_ARRAY_ELEMENTS} elements"
+    return None
+
+
+def array_shape_problem(
+    shape: list[int], chunk_shape: list[int], shard_shape: list[int]
+) -> str | None:
+    """Why an array's shape, chunk shape and shard shape do not fit together, or None."""
+    problem = shape_problem(shape)
+    if problem is not None:
+        return problem
+    if not len(shape) == len(chunk_shape) == len(shard_shape):
+        return (
+            f"shape {shape}, chunk shape {chunk_shape} and shard shape {shard_shape} have "
+            "different lengths"
+        )
+    if any(n < 1 for n in [*chunk_shape, *shard_shape]):
+        return f"chunk shape {chunk_shape} and shard shape {shard_shape} must be at least 1"
+    dims = [max(n, 1) for n in shape]
+    if any(c > n for c, n in zip(chunk_shape, dims, strict=True)):
+        return f"chunk shape {chunk_shape} exceeds shape {shape}"
+    if any(s > -(-n // c) * c for s, c, n in zip(shard_shape, chunk_shape, dims, strict=True)):
+        return f"shard shape {shard_shape} reaches past shape {shape} by more than a chunk"
+    return None
+
+
+def component_problem(text: str) -> str | None:
+    """Why ``text`` may not be one file or folder name (a tag), or None."""
+    if not text or text in (".", ".."):
+        return f"{text!r} is not a file name"
+    if "/" in text or "\\" in text or _CONTROL.search(text):
+        return f"{text!r} holds '/', '\\' or a control character"
+    if len(text.encode("utf-8", "surrogatepass")) > MAX_NAME_BYTES:
+        return f"{text!r} is longer than {MAX_NAME_BYTES} bytes"
+    return None
+
+
+def relative_path_problem(text: str) -> str | None:
+    """Why ``text`` may not be a relative path inside a folder (``a/b.pt``), or None."""
+    if text.startswith("/"):
+        return f"{text!r} is an absolute path"
+    for part in text.split("/"):
+        problem = component_problem(part)
+        if problem is not None:
+            return problem
+    return None
+
+
+def entry_name_problems(
+    params: Iterable[tuple[str, Iterable[tuple[str, str]], Iterable[str]]],
+    buffers: Iterable[tuple[str, str]],
+    tied: Iterable[tuple[str, str]],
+) -> str | None:
+    """The first name or array path of a manifest that §2.4 refuses, said in words, or None.
+
+    Args:
+        params: (fqn, [(state, array path)], aliases) of every parameter.
+        buffers: (fqn, array path) of every buffer.
+        tied: (alias, owner) pairs.
+    """
+    for fqn, states, aliases in params:
+        problem = name_problem(fqn, "parameter")
+        if problem is not None:
+            return f"parameter name {fqn!r}: {problem}"
+        for state, path in states:
+            problem = name_problem(state, "state")
+            if problem is not None:
+                return f"state {state!r} of {fqn!r}: {problem}"
+            if path != state_array_path(fqn, state):
+                return f"{fqn!r} state {state!r} points to {path!r}, not its own array"
+        for alias in aliases:
+            problem = name_problem(alias, "parameter")
+            if problem is not None:
+                return f"alias {alias!r} of {fqn!r}: {problem}"
+    for fqn, path in buffers:
+        problem = name_problem(fqn, "buffer")
+        if problem is not None:
+            return f"buffer name {fqn!r}: {problem}"
+        if path != buffer_array_path(fqn):
+            return f"buffer {fqn!r} points to {path!r}, not its own array"
+    for alias, owner in tied:
+        problem = name_problem(alias, "parameter")
+        if problem is not None:
+            return f"tied alias {alias!r} (of {owner!r}): {problem}"
+    return None
