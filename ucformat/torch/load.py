@@ -41,15 +41,11 @@ from ucformat.format.spec import BUFFER_STATE, FP32_STATE, STEP_STATE, VALUE_STA
 from ucformat.read.checkpoint import UniversalCheckpoint, open_checkpoint, scalar_value
 from ucformat.store.keys import StoreLike
 from ucformat.torch.dtensor import is_dtensor, reshard
+from ucformat.torch.optim_groups import merged_group, torch_group, torch_step_tensor
 
 __all__ = ["TorchLoadReport", "load", "model_state_dict", "optimizer_state_dict", "state_dicts"]
 
 _FLOATING = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
-#: Keys of a torch Adam/AdamW param group besides ``params``, with torch's defaults.
-_TORCH_ADAM_DEFAULTS: dict[str, Any] = {
-    "amsgrad": False, "maximize": False, "foreach": None, "capturable": False,
-    "differentiable": False, "fused": None,
-}  # fmt: skip
 
 
 @dataclass
@@ -76,44 +72,6 @@ class TorchLoadReport:
 
 def _open(store: StoreLike | UniversalCheckpoint) -> UniversalCheckpoint:
     return store if isinstance(store, UniversalCheckpoint) else open_checkpoint(store)
-
-
-def _is_deepspeed_adam(manifest: CheckpointManifest) -> bool:
-    name = manifest.optimizer.name if manifest.optimizer else ""
-    return name.rpartition(".")[2] in ("FusedAdam", "DeepSpeedCPUAdam")
-
-
-def _stored_decoupled(manifest: CheckpointManifest, hyper: dict[str, Any]) -> bool | None:
-    if "decoupled_weight_decay" in hyper:
-        return bool(hyper["decoupled_weight_decay"])
-    if manifest.optimizer is not None and manifest.optimizer.adam_w_mode is not None:
-        return manifest.optimizer.adam_w_mode
-    if manifest.optimizer is not None and manifest.optimizer.name.endswith("AdamW"):
-        return True
-    return None
-
-
-def _torch_group(manifest: CheckpointManifest, index: int) -> dict[str, Any]:
-    """Group ``index``'s hyper-parameters in torch's format (FusedAdam keys translated)."""
-    assert manifest.optimizer is not None
-    hyper = {k: decode(v) for k, v in manifest.optimizer.groups[index].hyperparams.items()}
-    if not _is_deepspeed_adam(manifest):
-        return hyper
-    group: dict[str, Any] = {
-        k: hyper[k] for k in ("lr", "betas", "eps", "weight_decay") if k in hyper
-    }
-    if "betas" in group:
-        group["betas"] = tuple(group["betas"])
-    group.update(_TORCH_ADAM_DEFAULTS)
-    group["amsgrad"] = bool(hyper.get("amsgrad", False))
-    group["decoupled_weight_decay"] = bool(_stored_decoupled(manifest, hyper))
-    return group
-
-
-def _torch_step(value: Any) -> torch.Tensor:
-    """A step as torch's Adam keeps it: a 0-d tensor of the default scalar dtype."""
-    dtype = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
-    return torch.tensor(float(value), dtype=dtype)
 
 
 def model_state_dict(
@@ -146,7 +104,7 @@ def _param_state(ckpt: UniversalCheckpoint, name: str, torch_step: bool) -> dict
     state: dict[str, Any] = {}
     for key, scalar in entry.scalars.items():
         value = scalar_value(scalar)
-        state[key] = _torch_step(value) if key == STEP_STATE and torch_step else value
+        state[key] = torch_step_tensor(value) if key == STEP_STATE and torch_step else value
     for key in manifest.optimizer.state_keys:
         if key in entry.states:
             state[key] = ckpt.read(manifest.resolve(name), key)
@@ -181,7 +139,7 @@ def optimizer_state_dict(
             state[index] = _param_state(ckpt, name, torch_step)
             ids.append(index)
             index += 1
-        groups.append({**_torch_group(manifest, number), "params": ids})
+        groups.append({**torch_group(manifest, number), "params": ids})
     return {"state": state, "param_groups": groups}
 
 
@@ -253,33 +211,13 @@ def _check_optimizer(
     return live
 
 
-def _merged_group(
-    manifest: CheckpointManifest, index: int, live: dict[str, Any], strict: bool
-) -> dict[str, Any]:
-    stored = _torch_group(manifest, index)
-    decoupled = _stored_decoupled(manifest, stored)
-    live_decoupled = live.get("decoupled_weight_decay")
-    known = decoupled is not None and live_decoupled is not None
-    if strict and known and bool(live_decoupled) != decoupled and stored.get("weight_decay", 0):
-        want = "torch.optim.AdamW" if decoupled else "torch.optim.Adam"
-        raise ModelMismatchError(
-            f"the store's optimizer used {'decoupled (AdamW)' if decoupled else 'L2 (Adam)'} "
-            f"weight decay but the optimizer does not; use {want}, or pass strict=False to "
-            "keep the optimizer's own setting. Nothing was loaded."
-        )
-    merged = {k: v for k, v in live.items() if k != "params"}
-    for key in merged:
-        if key in stored and key != "decoupled_weight_decay":
-            merged[key] = stored[key]
-    return merged
-
-
 def load(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer | None,
     store: StoreLike | UniversalCheckpoint,
     *,
     strict: bool = True,
+    scheduler: Any = None,
 ) -> TorchLoadReport:
     """Load a store into a PyTorch model and (optionally) optimizer.
 
@@ -302,12 +240,15 @@ def load(
         store: a store path/URL/``Store`` or an opened checkpoint.
         strict: fail (before changing anything) on missing/unexpected names or an optimizer
             whose weight-decay mode differs from the store's.
+        scheduler: an lr scheduler to restore from the state ``ucformat.torch.save(...,
+            scheduler=)`` (or DeepSpeed) recorded; a store without one is refused (before
+            anything changes) unless ``strict=False``.
 
     Raises:
         ModelMismatchError: the model or the optimizer's groups do not match the store.
         UnsupportedExportError: an optimizer was given but the store holds no optimizer state,
             or a DTensor has placements other than ``Shard(0)``/``Replicate()``.
-        LoadAbortedError: (DTensor models) another rank could not read its part; nothing was
+        CollectiveError: (DTensor models) some rank could not read its part; nothing was
             loaded on this rank.
 
     Example:
@@ -319,10 +260,17 @@ def load(
     manifest = ckpt.manifest
     report = TorchLoadReport()
     reshard(model)  # FSDP2 modules left unsharded by an evaluation forward
+    scheduler_state = manifest.progress.lr_scheduler if scheduler is not None else None
+    if scheduler is not None and scheduler_state is None and strict:
+        raise ModelMismatchError(
+            f"{ckpt.where}: a scheduler was given but the store holds no lr scheduler state; "
+            "pass scheduler=None, or strict=False to leave it as it is. Nothing was loaded."
+        )
     if any(is_dtensor(p) for p in model.parameters()):
         from ucformat.torch.sharded_load import load_sharded
 
         load_sharded(model, optimizer, ckpt, strict, report)
+        _restore_scheduler(scheduler, scheduler_state)
         return report
     started, before = time.perf_counter(), ckpt.stats.bytes_read
     saved = model_state_dict(ckpt)
@@ -343,11 +291,12 @@ def load(
                 state[index] = _param_state(ckpt, name, torch_step)
                 ids.append(index)
                 index += 1
-            groups.append({**_merged_group(manifest, number, live, strict), "params": ids})
+            groups.append({**merged_group(manifest, number, live, strict), "params": ids})
         optimizer_sd = {"state": state, "param_groups": groups}
     model.load_state_dict(saved, strict=strict)
     if optimizer_sd is not None and optimizer is not None:
         optimizer.load_state_dict(optimizer_sd)
+    _restore_scheduler(scheduler, scheduler_state)
     report.client_state = {k: decode(v) for k, v in manifest.client_state.values.items()}
     report.bytes_read = ckpt.stats.bytes_read - before
     report.bytes_needed = sum(
@@ -356,6 +305,12 @@ def load(
     report.seconds = time.perf_counter() - started
     report.requests = ckpt.stats.requests - requests_before
     return report
+
+
+def _restore_scheduler(scheduler: Any, state: Any) -> None:
+    """Give ``scheduler`` the stored state (nothing when either is None)."""
+    if scheduler is not None and state is not None:
+        scheduler.load_state_dict(decode(state))
 
 
 def _arrays_read(manifest: CheckpointManifest, with_optimizer: bool) -> list[ArrayRef]:

@@ -9,7 +9,7 @@ What :func:`ucformat.torch.load` runs when the model holds DTensors. Per rank:
    (:mod:`ucformat.torch.dtensor`): the fp32 weights and every optimizer state of each
    parameter, frozen parameters, buffers (whole: they are not sharded). A rank whose shard of a
    parameter is empty reads nothing for it;
-3. agree with every other rank that all reads succeeded (one all-reduce), then write: local
+3. agree with every other rank that all reads succeeded (one agreement), then write: local
    shards in place, optimizer states into the optimizer's tensors (or as new DTensors with the
    parameter's mesh and placements where the optimizer has none yet), ``step`` in the type the
    optimizer uses, hyper-parameters into the matched groups.
@@ -24,8 +24,8 @@ from typing import Any
 
 import torch
 
+from ucformat import collective
 from ucformat.errors import (
-    LoadAbortedError,
     ModelMismatchError,
     UCFormatError,
     UnsupportedExportError,
@@ -36,7 +36,7 @@ from ucformat.format.pyvalue import decode
 from ucformat.format.spec import FP32_STATE, STEP_STATE
 from ucformat.read.checkpoint import BUFFER_STATE, UniversalCheckpoint, scalar_value
 from ucformat.torch.dtensor import LocalShard, local_shard, persistent_buffers
-from ucformat.torch.load import _merged_group, _torch_step
+from ucformat.torch.optim_groups import merged_group, torch_step_tensor
 
 __all__ = ["load_sharded"]
 
@@ -116,7 +116,7 @@ def _match_groups(
                 f"{[g.params for g in manifest.optimizer.groups]}); build the optimizer with the "
                 "training run's param groups. Nothing was loaded."
             )
-        matched.append((index, _merged_group(manifest, index, group, strict)))
+        matched.append((index, merged_group(manifest, index, group, strict)))
     return matched
 
 
@@ -139,27 +139,6 @@ def _read_param(
     if state_keys:
         read.scalars = {k: scalar_value(s) for k, s in entry.scalars.items()}
     return read, needed
-
-
-def _all_ranks_ready(failure: BaseException | None, where: str) -> None:
-    """Raise on every rank if any rank failed to read (before any rank writes)."""
-    import torch.distributed as dist
-
-    others_failed = False
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        device: Any = "cpu"
-        if dist.get_backend() != "gloo" and torch.cuda.is_available():
-            device = torch.device("cuda", torch.cuda.current_device())
-        ready = torch.tensor([0 if failure else 1], dtype=torch.int32, device=device)
-        dist.all_reduce(ready, op=dist.ReduceOp.MIN)
-        others_failed = int(ready.item()) == 0
-    if failure is not None:
-        raise failure
-    if others_failed:
-        raise LoadAbortedError(
-            f"{where}: another rank could not read its part of the checkpoint (its error says "
-            "why); nothing was loaded on this rank."
-        )
 
 
 def _set_state(state: dict[str, Any], key: str, read: _ParamRead, values: torch.Tensor) -> None:
@@ -214,7 +193,8 @@ def load_sharded(
                 needed += value.numel() * value.element_size()
     except (UCFormatError, OSError) as exc:
         failure = exc
-    _all_ranks_ready(failure, ckpt.where)
+    ranks = collective.group().operation()
+    collective.settle(failure, ranks, ckpt.where, undone=collective.NOTHING_LOADED)
 
     # --- nothing above modified the model or the optimizer; from here on, write ---------------
     torch_step = optimizer is not None and type(optimizer).__module__.startswith("torch.optim")
@@ -229,7 +209,7 @@ def load_sharded(
             for key, values in read.states.items():
                 _set_state(state, key, read, values)
             for key, value in read.scalars.items():
-                state[key] = _torch_step(value) if key == STEP_STATE and torch_step else value
+                state[key] = torch_step_tensor(value) if key == STEP_STATE and torch_step else value
         for name, value in buffer_values.items():
             buffers[name].copy_(value.to(buffers[name].dtype))
     if optimizer is not None:

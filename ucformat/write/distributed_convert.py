@@ -64,7 +64,7 @@ def convert_distributed(
         committed one on rank 0).
 
     Raises:
-        DistributedWriteError: some process failed (the same error on every process); nothing
+        CollectiveError: some process failed (the same error on every process); nothing
             was committed.
     """
     import torch.distributed as dist  # here: launched_distributed() must not import torch
@@ -85,7 +85,7 @@ def convert_distributed(
         dist.init_process_group(backend="gloo")
         joined = True
     try:
-        ranks = group()
+        ranks = group().operation()
         where = f"{dst}: ucformat convert"
         failure: Exception | None = None
         source = plan = target = None
