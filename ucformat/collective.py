@@ -293,15 +293,17 @@ def fingerprint(document: Any) -> str:
 
 
 def exchange_bytes(
-    send: list[torch.Tensor], receive_sizes: list[int], group: Group
+    payload: torch.Tensor, send_sizes: list[int], receive_sizes: list[int], group: Group
 ) -> list[torch.Tensor]:
-    """All-to-all of byte buffers: ``send[d]`` goes to rank ``d``; returns what each rank sent.
+    """All-to-all of bytes: the ``send_sizes[d]`` bytes of ``payload`` at ``sum(send_sizes[:d])``
+    go to rank ``d``; returns what each rank sent here (views of one buffer).
 
     Runs on the private gloo group (bounded by its :func:`timeout`), right after an agreement,
     so every rank is there.
 
     Args:
-        send: one 1-D ``uint8`` CPU tensor per rank (empty for ranks that get nothing).
+        payload: one 1-D ``uint8`` CPU tensor, the bytes for every rank in rank order.
+        send_sizes: bytes of ``payload`` for each rank.
         receive_sizes: bytes expected from each rank.
         group: the ranks.
 
@@ -309,15 +311,14 @@ def exchange_bytes(
         CollectiveError: the exchange broke (a rank died or did not answer in time).
     """
     if not group.distributed:
-        return [send[0]]
-    payload = torch.cat(send) if any(t.numel() for t in send) else torch.empty(0, dtype=torch.uint8)
+        return [payload]
     received = torch.empty(sum(receive_sizes), dtype=torch.uint8)
     try:
         dist.all_to_all_single(
             received,
             payload,
             output_split_sizes=receive_sizes,
-            input_split_sizes=[int(t.numel()) for t in send],
+            input_split_sizes=send_sizes,
             group=group.handle,
         )
     except RuntimeError as exc:

@@ -345,6 +345,7 @@ def write_spread(
         ]
         try:
             write_units(plan, arrays, mine, workers=workers, progress=progress)
+            _flush(plan, store, [u for i, u in enumerate(plan.units) if writers[i] == rank])
             report.units_written += len(mine)
             report.bytes_written += sum(_unit_bytes(plan, unit) for unit in mine)
             if before_commit is not None:
@@ -362,6 +363,33 @@ def write_spread(
     settle(failure, group, where)
     report.seconds = time.perf_counter() - started
     return report
+
+
+def _flush(plan: ConvertPlan, store: Store, units: Sequence[WriteUnit]) -> None:
+    """fsync the shard files this rank wrote (a local store), all ranks at once.
+
+    The commit's durable step (:func:`~ucformat.store.manifest_io.commit_manifest`) fsyncs the
+    whole store on rank 0; done here first, in parallel on every rank, the flushing is spread
+    over the ranks and rank 0's pass finds the files already clean.
+    """
+    from concurrent.futures import ThreadPoolExecutor
+
+    from ucformat.format.spec import shard_object_key
+    from ucformat.store.direct.objects import local_file
+    from ucformat.store.durable import SYNC_WORKERS, fsync_path
+    from ucformat.write.shard_encode import shard_of
+
+    if not units or local_file(store, "zarr.json") is None:
+        return
+    paths = []
+    for unit in units:
+        ref = plan.arrays[unit.array]
+        if ref.shape:
+            path = local_file(store, shard_object_key(ref.path, shard_of(ref, unit)))
+            if path is not None and path.is_file():
+                paths.append(path)
+    with ThreadPoolExecutor(max_workers=SYNC_WORKERS) as pool:
+        list(pool.map(fsync_path, paths))
 
 
 def _discard(rank: int, store: Store, created: bool) -> None:
@@ -407,13 +435,16 @@ def _exchange_round(
                     outgoing[run.writer].append(np.zeros(run.nbytes, dtype=np.uint8))
             if run.writer == rank:
                 incoming[run.source] += run.nbytes
-    send = [
-        torch.from_numpy(np.concatenate(parts)) if parts else torch.empty(0, dtype=torch.uint8)
-        for parts in outgoing
-    ]
-    received = exchange_bytes(send, incoming, group)
+    sizes = [sum(part.size for part in parts) for parts in outgoing]
+    payload = np.empty(sum(sizes), dtype=np.uint8)  # one copy of the runs, in rank order
+    at = 0
+    for parts in outgoing:
+        for part in parts:
+            payload[at : at + part.size] = part
+            at += part.size
+    received = exchange_bytes(torch.from_numpy(payload), sizes, incoming, group)
     report.exchange_rounds += 1
-    report.bytes_sent += sum(int(t.numel()) for d, t in enumerate(send) if d != rank)
+    report.bytes_sent += sum(size for d, size in enumerate(sizes) if d != rank)
     report.bytes_received += sum(incoming)
     if failure is not None:
         return failure
