@@ -90,3 +90,41 @@ def test_settle_raises_the_own_error_alone_and_the_old_names_are_the_one_type() 
                                       cleanup=lambda: cleaned.append(1)))  # fmt: skip
     assert all(isinstance(e, CollectiveError) for e in errors) and cleaned == [1, 1]
     assert isinstance(errors[1].__cause__, ValueError)
+
+
+def test_every_collective_goes_through_collective_py() -> None:
+    """No module but ``ucformat/collective.py`` calls a torch.distributed collective, and the two
+    torch loaders do not import each other (their shared helpers live in optim_groups)."""
+    import ast
+    from pathlib import Path
+
+    import ucformat
+
+    collectives = {
+        "all_gather_object", "all_reduce", "all_gather", "all_gather_into_tensor", "broadcast",
+        "broadcast_object_list", "barrier", "monitored_barrier", "batch_isend_irecv",
+        "all_to_all", "all_to_all_single", "send", "recv", "isend", "irecv", "new_group",
+        "reduce_scatter", "scatter", "gather",
+    }  # fmt: skip
+    root = Path(ucformat.__file__).parent
+    offenders = []
+    for path in sorted(root.rglob("*.py")):
+        if path.name == "collective.py" and path.parent == root:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr in collectives:
+                base = node.value
+                name = base.id if isinstance(base, ast.Name) else getattr(base, "attr", "")
+                if name in ("dist", "distributed"):
+                    offenders.append(f"{path.relative_to(root)}:{node.lineno}: {node.attr}")
+    assert offenders == []
+
+    def imported(path: Path) -> set[str]:
+        return {
+            node.module
+            for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.ImportFrom) and node.module
+        }
+
+    assert "ucformat.torch.load" not in imported(root / "torch" / "sharded_load.py")
+    assert "ucformat.torch.sharded_load" in imported(root / "torch" / "load.py")  # one way
