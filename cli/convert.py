@@ -143,6 +143,8 @@ def convert_command(
         f"DeepSpeed ZeRO-{source.zero_stage} x{source.world_size} {source.train_dtype} "
         f"(tag {source.tag})"
         if source.framework == "deepspeed"
+        else f"Megatron-Core torch_dist x{source.world_size} {source.train_dtype}"
+        if source.checkpoint_format == "megatron-torch_dist"
         else f"PyTorch DCP x{source.world_size} {source.train_dtype}"
     )
     typer.echo(
@@ -153,6 +155,9 @@ def convert_command(
     if manifest.client_state.unrepresentable:
         kept_out = ", ".join(f"{k} ({t})" for k, t in manifest.client_state.unrepresentable.items())
         typer.echo(f"note: client state kept by key and type only: {kept_out}", err=True)
+    megatron = manifest.megatron
+    if megatron is not None and megatron.optimizer_sharding and not megatron.optimizer_stored:
+        typer.echo(f"note: model only, no optimizer state: {megatron.optimizer_note}", err=True)
 
 
 def _convert_distributed(

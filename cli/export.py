@@ -99,6 +99,13 @@ def safetensors_command(
     buffers: Annotated[
         bool, typer.Option("--buffers/--no-buffers", help="Include persistent buffers.")
     ] = True,
+    names: Annotated[
+        str,
+        typer.Option(
+            help="Tensor names: 'store' (as stored) or 'hf-llama' (a Megatron-Core GPT store as "
+            "Hugging Face Llama: q/k/v and gate/up split, config.json)."
+        ),
+    ] = "store",
     overwrite: Overwrite = False,
     dry_run: DryRun = False,
     quiet: Quiet = False,
@@ -120,6 +127,7 @@ def safetensors_command(
             overwrite=overwrite,
             dry_run=dry_run,
             hooks=hooks,
+            names=names,
         ),
     )
 
@@ -166,7 +174,11 @@ def deepspeed_command(
     store: Store,
     out: Out,
     world_size: Annotated[
-        int, typer.Option(help="Data-parallel ranks of the job that will load it.", min=1)
+        int,
+        typer.Option(
+            help="Data-parallel ranks of the job that will load it (with --tp: all processes).",
+            min=1,
+        ),
     ],
     stage: Annotated[int, typer.Option(help="ZeRO stage of that job: 1, 2 or 3.")],
     dtype: Dtype = None,
@@ -194,12 +206,36 @@ def deepspeed_command(
     ] = False,
     dry_run: DryRun = False,
     quiet: Quiet = False,
+    tp: Annotated[
+        int,
+        typer.Option(
+            "--tp",
+            help="AutoTP degree of that job (docs/tensor-parallel.md); then --world-size counts "
+            "all tp x dp processes. Needs a store converted from an AutoTP run at this tp.",
+            min=1,
+        ),
+    ] = 1,
 ) -> None:
     """A native DeepSpeed ZeRO checkpoint that a stock engine.load_checkpoint(OUT) loads.
 
     OUT may be a DeepSpeed run folder or a Hugging Face Trainer checkpoint-N folder: the new
     tag is written beside the old one and 'latest' repointed; nothing else there changes.
     """
+    if tp > 1:
+        from ucformat.errors import UnsupportedExportError
+        from ucformat.export.deepspeed_tensor_parallel import export_deepspeed_tensor_parallel
+
+        if config is not None or remove_previous or dry_run:
+            raise UnsupportedExportError(
+                "--tp does not combine with --config, --remove-previous or --dry-run yet."
+            )
+        files = export_deepspeed_tensor_parallel(
+            store, out, world_size=world_size, tp=tp, stage=stage, dtype=dtype, tag=tag,
+            overwrite=overwrite,
+        )  # fmt: skip
+        typer.echo(f"wrote DeepSpeed AutoTP tp{tp} x dp{world_size // tp} ZeRO-{stage} "
+                   f"checkpoint ({len(files)} files) to {out}")  # fmt: skip
+        return
     ds_config = _config(config)
     _run(
         "exporting DeepSpeed ZeRO",

@@ -10,6 +10,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
+from ucformat.format.expert_summary import group_experts
 from ucformat.format.summary import format_bytes, summarize
 from ucformat.store.manifest_io import load_manifest
 
@@ -29,6 +30,8 @@ def inspect_command(
         typer.echo(manifest.model_dump_json(indent=2))
         return
     summary = summarize(manifest)
+    if not param:
+        summary = group_experts(summary, manifest)  # MoE: one row per layer and expert param
     console = Console(highlight=False, soft_wrap=True)
     for key, value in summary.header.items():
         console.print(f"[bold]{key}:[/] {escape(str(value))}")

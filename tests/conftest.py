@@ -16,6 +16,9 @@ if TYPE_CHECKING:
 REPO = Path(__file__).resolve().parents[1]
 #: Generated DeepSpeed checkpoints live here between sessions (git-ignored).
 GRID_CACHE = Path(os.environ.get("UCFORMAT_GRID_CACHE", REPO / "tests" / ".cache" / "ds_grid"))
+# DeepSpeed JIT-builds its CPU ops here, in this checkout, for in-process imports and every
+# launch alike (a folder shared with other virtualenvs is rebuilt by each and keeps stale locks).
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / "tests" / ".cache" / "torch_extensions"))
 
 
 def deepspeed_available() -> bool:

@@ -14,13 +14,8 @@ import time
 from pathlib import Path
 
 from tests.bench.cases import TAG, BenchCase, fingerprint
-from tests.fixtures.make_fixtures import (
-    FixtureGenerationError,
-    free_port,
-    log_excerpt,
-    run_logged,
-    torchrun_cmd,
-)
+from tests.fixtures.make_fixtures import FixtureGenerationError
+from tests.launch import log_excerpt, run_in_group, torchrun_command
 
 SAVE_WORKER = Path(__file__).resolve().parent / "_save_worker.py"
 SAVE_TIMEOUT_S = 900.0
@@ -55,9 +50,8 @@ def ensure_checkpoint(case: BenchCase, cache: Path, *, verbose: bool = True) -> 
     )
     log = where / "save.log"
     started = time.monotonic()
-    status = run_logged(
-        torchrun_cmd(case.world_size, free_port(), job, SAVE_WORKER), log, SAVE_TIMEOUT_S
-    )
+    command = torchrun_command(case.world_size, [str(SAVE_WORKER), "--jobs", str(job)])
+    status = run_in_group(command, timeout_s=SAVE_TIMEOUT_S, log_path=log).returncode
     if status != 0 or not is_cached(case, cache):
         raise FixtureGenerationError(
             f"saving {case.name} failed ({status}); log: {log}\n{log_excerpt(log)}"

@@ -21,15 +21,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 from tests.bench.measure import measure, tree_size
+from tests.launch import run_in_group, torchrun_command
 
 REPO = Path(__file__).resolve().parents[2]
 MIB = 2**20
@@ -69,13 +68,11 @@ def _make(folder: Path, ranks: int, layers: int, width: int) -> None:
     if (folder / ".metadata").is_file():
         return
     shutil.rmtree(folder, ignore_errors=True)
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks),
-        "--master_addr", "127.0.0.1", "--master_port", "29533", "-m", "tests.bench.dcp_convert",
-        "--save", str(folder), "--layers", str(layers), "--width", str(width),
-    ]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    subprocess.run(cmd, check=True, cwd=REPO, env=env)
+    program = ["-m", "tests.bench.dcp_convert", "--save", str(folder), "--layers", str(layers),
+               "--width", str(width)]  # fmt: skip
+    done = run_in_group(torchrun_command(ranks, program), timeout_s=3600)
+    if done.returncode != 0:
+        raise RuntimeError(f"dcp_convert save failed ({done.returncode})")
 
 
 def _warm(folder: Path) -> None:

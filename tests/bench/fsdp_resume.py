@@ -26,7 +26,6 @@ import hashlib
 import json
 import os
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -139,15 +138,13 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def _launch(world: int, argv: list[str]) -> None:
-    import subprocess
 
-    from tests.fixtures.make_fixtures import free_port
+    from tests.launch import run_in_group, torchrun_command
 
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world),
-           "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
-           str(Path(__file__).resolve()), "--worker", *argv]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    subprocess.run(cmd, check=True, env=env, cwd=REPO, stdout=subprocess.DEVNULL)
+    cmd = torchrun_command(world, [str(Path(__file__).resolve()), "--worker", *argv])
+    done = run_in_group(cmd, timeout_s=3600, capture=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"fsdp_resume worker failed ({done.returncode}):\n{done.stdout[-3000:]}")
 
 
 def _size(path: Path) -> int:

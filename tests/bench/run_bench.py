@@ -46,7 +46,7 @@ from typing import Any
 from tests.bench.cases import TAG, BenchCase
 from tests.bench.checkpoints import ensure_checkpoint
 from tests.bench.measure import RunStats, measure, tree_size
-from tests.fixtures.make_fixtures import free_port, log_excerpt, run_logged, torchrun_cmd
+from tests.launch import log_excerpt, run_in_group, torchrun_command
 
 LOAD_WORKER = Path(__file__).resolve().parent / "_load_worker.py"
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -250,7 +250,11 @@ def bench_load(
         sync()
         warm(ds_dir, store)
         log = work / f"load-ws{world_size}-{index}.log"
-        status = run_logged(torchrun_cmd(world_size, free_port(), job, LOAD_WORKER), log, 900.0)
+        status = run_in_group(
+            torchrun_command(world_size, [str(LOAD_WORKER), "--jobs", str(job)]),
+            timeout_s=900.0,
+            log_path=log,
+        ).returncode
         if status != 0:
             raise RuntimeError(f"load launch ws={world_size} failed ({status}); log {log}\n"
                                f"{log_excerpt(log)}")  # fmt: skip

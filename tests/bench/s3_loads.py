@@ -33,7 +33,7 @@ from typing import Any
 import ucformat
 from tests.bench.cases import BenchCase
 from tests.bench.checkpoints import ensure_checkpoint
-from tests.fixtures.make_fixtures import free_port, log_excerpt, run_logged, torchrun_cmd
+from tests.launch import log_excerpt, run_in_group, torchrun_command
 from tests.s3server import S3Server
 
 LOAD_WORKER = Path(__file__).resolve().parent / "_load_worker.py"
@@ -53,7 +53,11 @@ def _launch(
         "result": str(result), "ua_tag": TAG,
     }))  # fmt: skip
     log = work / f"{label}.log"
-    status = run_logged(torchrun_cmd(world_size, free_port(), job, LOAD_WORKER), log, 900.0)
+    status = run_in_group(
+        torchrun_command(world_size, [str(LOAD_WORKER), "--jobs", str(job)]),
+        timeout_s=900.0,
+        log_path=log,
+    ).returncode
     if status != 0:
         raise RuntimeError(f"{label} failed ({status}); log {log}\n{log_excerpt(log)}")
     return [rows[0] for rows in json.loads(result.read_text())["ranks"]]

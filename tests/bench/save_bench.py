@@ -24,7 +24,7 @@ from typing import Any
 
 from tests.bench.cases import TAG, BenchCase
 from tests.bench.measure import measure
-from tests.fixtures.make_fixtures import REPO_ROOT, free_port
+from tests.launch import REPO_ROOT, torchrun_command
 
 WORKER = Path(__file__).resolve().parent / "_live_save_worker.py"
 CONVERT_WORKER = Path(__file__).resolve().parent / "_convert_worker.py"
@@ -37,8 +37,7 @@ def _env() -> dict[str, str]:
 
 
 def _torchrun(world: int, *args: str) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world),
-            "--master_addr", "127.0.0.1", "--master_port", str(free_port()), *args]  # fmt: skip
+    return torchrun_command(world, args)
 
 
 def bench_case(case: BenchCase, work: Path) -> dict[str, Any]:

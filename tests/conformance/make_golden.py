@@ -24,8 +24,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
-import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -83,10 +81,11 @@ GOLDENS = (
 def save_dtype_zoo(out: Path) -> Path:
     """Run the dtype-zoo DeepSpeed job (torchrun, one CPU rank) into ``out``; return it."""
     worker = HERE / "_dtype_zoo_worker.py"
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1",
-               "--master_port", "29731", str(worker), str(out)]  # fmt: skip
-    env = {**os.environ, "DS_ACCELERATOR": "cpu"}
-    subprocess.run(command, check=True, env=env, timeout=600, capture_output=True)
+    from tests.launch import run_in_group, torchrun_command
+
+    done = run_in_group(torchrun_command(1, [str(worker), str(out)]), timeout_s=600, capture=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"dtype-zoo job failed ({done.returncode}):\n{done.stdout[-3000:]}")
     return out
 
 

@@ -8,15 +8,13 @@ and leave no committed store.
 
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 import ucformat
-from tests.fixtures.make_fixtures import REPO_ROOT, free_port
+from tests.launch import REPO_ROOT, run_in_group, torchrun_command
 from ucformat.errors import IncompleteStoreError, NotAStoreError, SourceNotFoundError
 
 pytestmark = pytest.mark.deepspeed  # needs torchrun (torch.distributed), not DeepSpeed itself
@@ -28,15 +26,12 @@ SMALL = ["--chunk-kib", "1", "--shard-mib", "1"]
 def _torchrun(
     args: list[str], env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess[str]:
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-        "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
-        str(REPO_ROOT / "tests" / "fixtures" / "_limited_cli.py"), *args,
-    ]  # fmt: skip
-    return subprocess.run(
-        command, cwd=REPO_ROOT, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
-        capture_output=True, text=True, timeout=300, check=False,
-    )  # fmt: skip
+    command = torchrun_command(
+        2, [str(REPO_ROOT / "tests" / "fixtures" / "_limited_cli.py"), *args]
+    )
+    done = run_in_group(command, timeout_s=600, env=env, capture=True)
+    assert done.returncode is not None, f"distributed convert timed out: {done.stdout[-2000:]}"
+    return done
 
 
 def _objects(root: Path) -> dict[str, bytes]:

@@ -129,3 +129,22 @@ def test_not_a_torch_file(tmp_path: Path) -> None:
     path.write_text("hello")
     with pytest.raises(TruncatedFileError, match=r"x\.pt: not a complete zip archive"):
         open_torch_file(path)
+
+
+def test_dcp_metadata_admits_planner_dataclasses_inertly() -> None:
+    """Megatron-Core's torch_dist ``.metadata`` keeps every rank's SavePlan: admitted as attribute
+    holders (WriteItemType as its number); other planner names stay refused."""
+    from ucformat.sources.safe_unpickle import StandIn, load_dcp_metadata_pickle
+
+    module = b"ctorch.distributed.checkpoint.planner\n"
+    plan = load_dcp_metadata_pickle(
+        b"\x80\x04" + module + b"SavePlan\n)R}X\x05\x00\x00\x00itemsK\x02sb.", source="t"
+    )
+    assert isinstance(plan, StandIn) and plan.attributes() == {"items": 2}
+    assert type(plan).ucformat_qualname.endswith("planner.SavePlan")
+    kind = load_dcp_metadata_pickle(
+        b"\x80\x04" + module + b"WriteItemType\nK\x02\x85R.", source="t"
+    )
+    assert kind == 2
+    with pytest.raises(UnsafePickleError, match=r"planner\.LoadPlan"):
+        load_dcp_metadata_pickle(b"\x80\x04" + module + b"LoadPlan\n)R.", source="t")

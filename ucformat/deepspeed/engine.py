@@ -14,8 +14,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ucformat.deepspeed.experts import global_names
 from ucformat.errors import LayoutMismatchError, UnsupportedCheckpointError
 from ucformat.layout.partition import PartitionedFlatLayout, PerParamLayout
+from ucformat.layout.tensor_parallel import ShardMap
 from ucformat.read.partitions import FlatTarget
 
 __all__ = ["EngineView", "describe_engine"]
@@ -32,8 +34,15 @@ class EngineView:
     targets: list[FlatTarget]
     #: The live fp32 partition of each target (same order).
     fp32: list[torch.Tensor]
-    #: id(param) -> fqn (owner names; tied aliases resolve to their owner).
+    #: id(param) -> fqn (owner names; tied aliases resolve to their owner; MoE experts under
+    #: their global ids: ucformat.deepspeed.experts).
     names: dict[int, str]
+    #: AutoTP: per fqn, this rank's shard of the full parameter (None: no tensor parallelism).
+    shard_maps: dict[str, ShardMap] | None = None
+
+    def named_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
+        """The module's parameters under the names the store uses."""
+        return [(self.names[id(p)], p) for _, p in self.engine.module.named_parameters()]
 
     @property
     def base_optimizer(self) -> torch.optim.Optimizer:
@@ -92,6 +101,8 @@ class EngineView:
 
 
 def _names(engine: Any) -> dict[int, str]:
+    if getattr(engine, "has_moe_layers", False):
+        return global_names(engine)
     return {id(p): name for name, p in engine.module.named_parameters()}
 
 
@@ -109,8 +120,6 @@ def describe_engine(engine: Any) -> EngineView:
     wrapper = getattr(engine, "optimizer", None)
     kind = type(wrapper).__name__
     names = _names(engine)
-    if getattr(engine, "has_moe_layers", False):
-        raise UnsupportedCheckpointError("MoE engines are not supported by ucformat's loader yet.")
     if kind == "DeepSpeedZeroOptimizer":
         return _zero12(engine, wrapper, names)
     if kind == "BF16_Optimizer":

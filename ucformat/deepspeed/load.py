@@ -29,6 +29,9 @@ import torch
 
 from ucformat.collective import NOTHING_LOADED, group, settle
 from ucformat.deepspeed.engine import EngineView, describe_engine
+from ucformat.deepspeed.experts import held_elsewhere
+from ucformat.deepspeed.pipeline import other_stage_names
+from ucformat.deepspeed.tensor_parallel import logical_fragments, shard_maps
 from ucformat.errors import ModelMismatchError, UCFormatError
 from ucformat.format.models import CheckpointManifest
 from ucformat.format.pyvalue import decode
@@ -113,10 +116,11 @@ def load(
     ckpt = store if isinstance(store, UniversalCheckpoint) else open_checkpoint(store)
     before, requests_before = ckpt.stats.bytes_read, ckpt.stats.requests
     view = describe_engine(engine)
+    view.shard_maps = shard_maps(engine)
     manifest = ckpt.manifest
     report = LoadReport()
     trainable = {name for t in view.targets for name in t.names}
-    frozen = _frozen_params(engine, trainable, load_module_extras)
+    frozen = _frozen_params(view, trainable, load_module_extras)
     buffers = _buffers(engine) if load_module_extras else {}
     _compare_models(
         view, manifest, trainable, frozen, buffers, report, load_optimizer_states, strict
@@ -226,7 +230,10 @@ def _read_partitions(
     manifest = ckpt.manifest
     parts: list[_FlatRead] = []
     for target, live in zip(view.targets, view.fp32, strict=True):
-        fragments = rank_fragments(target, (n for n in target.names if _has(manifest, n)))
+        fragments = logical_fragments(
+            rank_fragments(target, (n for n in target.names if _has(manifest, n))),
+            view.shard_maps,
+        )
         with_state = [f for f in fragments if _has_states(manifest, f.name, state_keys)]
         part = _FlatRead(target, live, fragments, with_state)
         if not can_fill_in_place(ckpt, target, fragments, FP32_STATE, live):
@@ -260,11 +267,11 @@ def _has_states(manifest: CheckpointManifest, name: str, keys: list[str]) -> boo
 
 
 def _frozen_params(
-    engine: Any, trainable: set[str], enabled: bool
+    view: EngineView, trainable: set[str], enabled: bool
 ) -> dict[str, torch.nn.Parameter]:
     if not enabled:
         return {}
-    return {n: p for n, p in engine.module.named_parameters() if n not in trainable}
+    return {n: p for n, p in view.named_parameters() if n not in trainable}
 
 
 def _buffers(engine: Any) -> dict[str, torch.Tensor]:
@@ -287,22 +294,25 @@ def _compare_models(
     with_optimizer: bool,
     strict: bool,
 ) -> None:
-    params = dict(view.engine.module.named_parameters())
+    params = dict(view.named_parameters())
     wanted = trainable | set(frozen)
-    stored = set(manifest.params)
+    stored = set(manifest.params) - other_stage_names(view.engine.module, manifest.params)
     problems: list[str] = []
     report.missing = sorted(n for n in wanted if not _has(manifest, n))
-    report.unexpected = sorted(stored - {manifest.resolve(n) for n in wanted})
+    elsewhere = held_elsewhere(view.engine, manifest, wanted)  # other EP ranks' experts
+    report.unexpected = sorted(stored - {manifest.resolve(n) for n in wanted} - elsewhere)
     if report.missing:
         problems.append(f"missing from the store: {', '.join(report.missing)}")
     if report.unexpected:
         problems.append(f"not in the model: {', '.join(report.unexpected)}")
+    logical = {n: m.logical_shape for n, m in (view.shard_maps or {}).items()}
     shapes = [
-        f"{n} (model {list(_param_shape(params[n]))}, "
+        f"{n} (model {list(logical.get(n, _param_shape(params[n])))}, "
         f"store {manifest.params[manifest.resolve(n)].shape})"
         for n in sorted(wanted)
         if _has(manifest, n)
-        and list(_param_shape(params[n])) != manifest.params[manifest.resolve(n)].shape
+        and list(logical.get(n, _param_shape(params[n])))
+        != manifest.params[manifest.resolve(n)].shape
     ]
     if shapes:
         problems.append(f"different shapes: {', '.join(shapes)}")
@@ -408,12 +418,17 @@ def _restore_optimizer(
         same_class = stored_class == type(optimizer).__name__
         for live, saved in zip(optimizer.param_groups, groups, strict=True):
             for name, hyper in saved.hyperparams.items():
-                if name != "params" and (same_class or name in live):
+                if name not in _GROUP_IDENTITY and (same_class or name in live):
                     live[name] = decode(hyper)
         report.restored.append("param-group hyper-parameters")
     view.relink_optimizer_state()
     keys = ", ".join(manifest.optimizer.state_keys) if manifest.optimizer else ""
     report.restored.append(f"optimizer states ({keys}) and step")
+
+
+#: Param-group keys that say which group it is, not how it trains ('name' and 'moe': DeepSpeed
+#: MoE groups, e.g. 'ep_size_2'): the engine's own values stay.
+_GROUP_IDENTITY = frozenset({"params", "name", "moe"})
 
 
 def _restore_progress(

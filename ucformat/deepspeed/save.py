@@ -29,6 +29,7 @@ from typing import Any
 from ucformat.collective import Group, group, settle
 from ucformat.deepspeed.engine import describe_engine
 from ucformat.deepspeed.source import describe_live
+from ucformat.errors import UnsupportedCheckpointError
 from ucformat.format.models import CheckpointManifest
 from ucformat.layout.ownership import writers_by_holdings
 from ucformat.store.keys import StoreLike, open_store
@@ -104,6 +105,11 @@ def _prepare(
     failure: Exception | None = None
     prepared: _Prepared | None = None
     try:
+        if getattr(engine, "has_moe_layers", False):
+            raise UnsupportedCheckpointError(
+                f"{where}: live saves of MoE engines are not supported yet; save with "
+                "engine.save_checkpoint and run 'ucformat convert' on it (docs/parallel.md)."
+            )
         view = describe_engine(engine)
         source = describe_live(
             view,

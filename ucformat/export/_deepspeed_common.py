@@ -80,7 +80,14 @@ def deepspeed_classes(target: str) -> DeepSpeedClasses:
 
 
 def require_optimizer(manifest: CheckpointManifest, target: str) -> None:
-    """Refuse a store whose trainable parameters lack optimizer state."""
+    """Refuse a store whose trainable parameters lack optimizer state, or that holds MoE experts."""
+    if manifest.experts is not None:
+        raise UnsupportedExportError(
+            f"'export {target}': this store holds the experts of {len(manifest.experts.layers)} "
+            f"MoE layers (source ep_size {manifest.experts.ep_size}); writing DeepSpeed MoE files "
+            "is not supported yet; resume with ucformat.deepspeed.load, or use 'export "
+            "safetensors' for the weights."
+        )
     optimizer = manifest.optimizer
     if optimizer is None or not optimizer.groups:
         raise UnsupportedExportError(

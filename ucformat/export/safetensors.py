@@ -46,6 +46,7 @@ from ucformat.export._common import (
     prepare_destination,
 )
 from ucformat.export._url_target import export_to_url, is_url
+from ucformat.export.hf_names import HF_LLAMA, NAMINGS, hf_llama_tensors, llama_config
 from ucformat.format.dtypes import itemsize, torch_dtype
 from ucformat.format.models import CheckpointManifest
 from ucformat.format.spec import BUFFER_STATE, FP32_STATE
@@ -64,6 +65,8 @@ __all__ = [
 ]
 
 SINGLE_NAME = "model.safetensors"
+#: Written with ``names="hf-llama"`` when the store records the model's shape arguments.
+CONFIG_NAME = "config.json"
 INDEX_NAME = "model.safetensors.index.json"
 DEFAULT_MAX_SHARD_SIZE = "5GB"
 DEFAULT_PIECE_BYTES = 64 * 2**20
@@ -87,11 +90,18 @@ class TensorItem:
     dtype: str
     begin: int
     end: int
+    #: Flat ``[start, stop)`` ranges of the stored array that make the tensor, in order; None:
+    #: the whole array (a renamed split, e.g. ``--names hf-llama``'s q/k/v, has several).
+    segments: tuple[tuple[int, int], ...] | None = None
 
     @property
     def numel(self) -> int:
         """Number of elements."""
         return prod(self.shape)
+
+    def ranges(self) -> tuple[tuple[int, int], ...]:
+        """The flat ranges to read, in order."""
+        return self.segments if self.segments is not None else ((0, self.numel),)
 
 
 @dataclass(frozen=True)
@@ -129,21 +139,31 @@ class SafetensorsPlan:
         return [*names, INDEX_NAME] if self.index is not None else names
 
 
+_Tensor = tuple[str, str, str, tuple[int, ...], str, tuple[tuple[int, int], ...] | None]
+
+
 def _tensors(
-    manifest: CheckpointManifest, dtype: str, tied: str, buffers: bool
-) -> list[tuple[str, str, str, tuple[int, ...], str]]:
-    """(key, name, state, shape, dtype) of every output tensor, in module order."""
-    out: list[tuple[str, str, str, tuple[int, ...], str]] = []
+    manifest: CheckpointManifest, dtype: str, tied: str, buffers: bool, names: str = "store"
+) -> list[_Tensor]:
+    """(key, name, state, shape, dtype, segments) of every output tensor, in module order."""
+    if names == HF_LLAMA:
+        return [
+            (t.key, t.name, FP32_STATE, t.shape, dtype, t.segments)
+            for t in hf_llama_tensors(manifest)
+        ]
+    if names != "store":
+        raise UnsupportedExportError(f"names={names!r}; expected one of {', '.join(NAMINGS)}.")
+    out: list[_Tensor] = []
     aliases: dict[str, list[str]] = {}
     for alias, owner in manifest.tied.items():
         aliases.setdefault(owner, []).append(alias)
     for name, entry in manifest.params.items():
         kind = dtype if entry.dtype in _FLOATING else entry.dtype
         keys = [name, *aliases.get(name, [])] if tied == "copy" else [name]
-        out.extend((key, name, FP32_STATE, tuple(entry.shape), kind) for key in keys)
+        out.extend((key, name, FP32_STATE, tuple(entry.shape), kind, None) for key in keys)
     if buffers:
         for name, buffer in manifest.buffers.items():
-            out.append((name, name, BUFFER_STATE, tuple(buffer.shape), buffer.dtype))
+            out.append((name, name, BUFFER_STATE, tuple(buffer.shape), buffer.dtype, None))
     return out
 
 
@@ -186,6 +206,7 @@ def plan_safetensors(
     max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE,
     tied: Literal["drop", "copy"] = "drop",
     buffers: bool = True,
+    names: str = "store",
 ) -> SafetensorsPlan:
     """Plan the files of a safetensors export from the manifest alone.
 
@@ -197,28 +218,30 @@ def plan_safetensors(
         tied: ``"drop"`` leaves tied aliases out (transformers re-ties them); ``"copy"`` writes
             each alias as its own tensor.
         buffers: include persistent buffers.
+        names: ``store`` (the store's names) or ``hf-llama`` (a Megatron-Core GPT store under
+            Hugging Face Llama names, fused q/k/v and gate/up split: :mod:`.hf_names`).
     """
     out_dtype = parse_dtype(dtype) or "float32"
     if tied not in ("drop", "copy"):
         raise UnsupportedExportError(f"tied={tied!r}; expected 'drop' or 'copy'.")
     limit = parse_size(max_shard_size)
-    tensors = _tensors(manifest, out_dtype, tied, buffers)
-    sizes = [prod(shape) * itemsize(kind) for _, _, _, shape, kind in tensors]
+    tensors = _tensors(manifest, out_dtype, tied, buffers, names)
+    sizes = [prod(shape) * itemsize(kind) for _, _, _, shape, kind, _ in tensors]
     groups = _shards(sizes, limit)
-    names = (
+    filenames = (
         [SINGLE_NAME]
         if len(groups) <= 1
         else [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
     )
     files: list[SafetensorsFile] = []
     weight_map: dict[str, str] = {}
-    for filename, members in zip(names, groups or [[]], strict=True):
+    for filename, members in zip(filenames, groups or [[]], strict=True):
         items: list[TensorItem] = []
         offset = 0
         for position in members:
-            key, name, state, shape, kind = tensors[position]
+            key, name, state, shape, kind, segments = tensors[position]
             size = sizes[position]
-            items.append(TensorItem(key, name, state, shape, kind, offset, offset + size))
+            items.append(TensorItem(key, name, state, shape, kind, offset, offset + size, segments))
             offset += size
             weight_map[key] = filename
         files.append(SafetensorsFile(filename, tuple(items), _header(items, {"format": "pt"})))
@@ -247,13 +270,14 @@ def _write_file(
             step = max(1, piece // max(itemsize(item.dtype), 4))
             target = torch_dtype(item.dtype)
             written = 0
-            for start in range(0, item.numel, step):
-                stop = min(start + step, item.numel)
-                values = ckpt.read_range(item.name, item.state, start, stop).to(target)
-                data = _little_endian_bytes(values)
-                handle.write(data)
-                written += len(data)
-                hooks.advance(len(data))
+            for first, last in item.ranges():
+                for start in range(first, last, step):
+                    stop = min(start + step, last)
+                    values = ckpt.read_range(item.name, item.state, start, stop).to(target)
+                    data = _little_endian_bytes(values)
+                    handle.write(data)
+                    written += len(data)
+                    hooks.advance(len(data))
             if written != item.end - item.begin:
                 raise UnsupportedExportError(
                     f"'{item.name}': wrote {written} bytes but planned {item.end - item.begin}; "
@@ -265,7 +289,7 @@ def _write_file(
 
 
 def _owned(name: str) -> bool:
-    return name in (SINGLE_NAME, INDEX_NAME) or bool(_SHARD_NAME.match(name))
+    return name in (SINGLE_NAME, INDEX_NAME, CONFIG_NAME) or bool(_SHARD_NAME.match(name))
 
 
 def export_safetensors(
@@ -280,6 +304,7 @@ def export_safetensors(
     dry_run: bool = False,
     piece_bytes: int = DEFAULT_PIECE_BYTES,
     hooks: ExportHooks | None = None,
+    names: str = "store",
 ) -> ExportResult:
     """Write the store's consolidated weights as Hugging Face safetensors files.
 
@@ -296,6 +321,8 @@ def export_safetensors(
         dry_run: plan only; write nothing.
         piece_bytes: read granularity; bounds the memory used (default 64 MiB).
         hooks: progress callbacks.
+        names: ``store`` or ``hf-llama`` (a Megatron-Core GPT store as Hugging Face Llama
+            tensors, plus its ``config.json`` when the store records the model's arguments).
 
     Returns:
         An :class:`~ucformat.export.ExportResult`.
@@ -319,6 +346,7 @@ def export_safetensors(
                 dry_run=dry_run,
                 piece_bytes=piece_bytes,
                 hooks=hooks,
+                names=names,
             ),
             owned=_owned,
             overwrite=overwrite,
@@ -326,8 +354,14 @@ def export_safetensors(
             last=(INDEX_NAME,),
         )
     plan = plan_safetensors(
-        ckpt.manifest, dtype=dtype, max_shard_size=max_shard_size, tied=tied, buffers=buffers
+        ckpt.manifest,
+        dtype=dtype,
+        max_shard_size=max_shard_size,
+        tied=tied,
+        buffers=buffers,
+        names=names,
     )
+    config = llama_config(ckpt.manifest) if names == HF_LLAMA else None
     folder = Path(out)
     prepare_destination(folder, overwrite=overwrite, owned=_owned, dry_run=dry_run)
     hooks.plan(plan.nbytes)
@@ -337,6 +371,10 @@ def export_safetensors(
         if plan.index is not None:
             document = json.dumps(plan.index, indent=2, sort_keys=True) + "\n"
             atomic_write_bytes(folder / INDEX_NAME, document.encode())
+        if config is not None:
+            config["torch_dtype"] = plan.dtype
+            text = json.dumps(config, indent=2, sort_keys=True) + "\n"
+            atomic_write_bytes(folder / CONFIG_NAME, text.encode())
     count = sum(len(f.items) for f in plan.files)
     verb = "would write" if dry_run else "wrote"
     summary = (
@@ -347,6 +385,7 @@ def export_safetensors(
     if plan.dropped_aliases:
         pairs = ", ".join(f"{a} -> {o}" for a, o in plan.dropped_aliases.items())
         notes.append(f"tied aliases not stored (transformers re-ties them on load): {pairs}")
+    filenames = [*plan.filenames, CONFIG_NAME] if config is not None else plan.filenames
     return ExportResult(
-        "safetensors", folder, plan.filenames, plan.nbytes, dry_run, clock.seconds, summary, notes
+        "safetensors", folder, filenames, plan.nbytes, dry_run, clock.seconds, summary, notes
     )

@@ -29,7 +29,11 @@ from pydantic import (
     model_validator,
 )
 
+from ucformat.format.experts import ExpertLayout
+from ucformat.format.megatron import MegatronLayout
+from ucformat.format.pipeline import PipelineLayout
 from ucformat.format.spec import FORMAT_NAME, FORMAT_VERSION
+from ucformat.format.tensor_parallel import TensorParallelInfo
 
 __all__ = [
     "IGNORE_UNKNOWN",
@@ -218,7 +222,9 @@ class SourceInfo(_Model):
     )
     path: str
     tag: str
-    zero_stage: int | None = Field(default=None, ge=1, le=3, description="DeepSpeed only.")
+    zero_stage: int | None = Field(
+        default=None, ge=0, le=3, description="DeepSpeed only (0: no ZeRO, MoE checkpoints)."
+    )
     world_size: int = Field(ge=1, description="Data-parallel world size that wrote the state.")
     train_dtype: DTypeName
     optimizer_wrapper: str = ""
@@ -229,6 +235,11 @@ class SourceInfo(_Model):
     mesh_dim_names: list[str] | None = Field(default=None, description="Names of the mesh dims.")
     files: list[SourceFile] = Field(default_factory=list)
     ds_config: JsonValue = None
+    pipeline: PipelineLayout | None = Field(
+        default=None,
+        exclude_if=lambda value: value is None,  # absent unless the source was a pipeline
+        description="Pipeline-parallel layout of the source; absent: no pipeline.",
+    )
 
     @model_validator(mode="after")
     def _check_framework(self) -> SourceInfo:
@@ -265,6 +276,21 @@ class CheckpointManifest(_Model):
     optimizer: OptimizerInfo | None = None
     progress: TrainingProgress = Field(default_factory=TrainingProgress)
     client_state: ClientState = Field(default_factory=ClientState)
+    megatron: MegatronLayout | None = Field(
+        default=None,
+        exclude_if=lambda value: value is None,  # absent unless the source is Megatron-Core
+        description="Megatron-Core source layout (ucformat.format.megatron); absent otherwise.",
+    )
+    tensor_parallel: TensorParallelInfo | None = Field(
+        default=None,
+        exclude_if=lambda value: value is None,
+        description="How the source split parameters over tensor-parallel ranks (absent: none).",
+    )
+    experts: ExpertLayout | None = Field(
+        default=None,
+        exclude_if=lambda value: value is None,
+        description="Expert-parallel (MoE) layout; absent for dense checkpoints.",
+    )
     digest: str | None = Field(
         default=None, description="sha256 of the canonical manifest JSON without this field."
     )
@@ -295,6 +321,16 @@ class CheckpointManifest(_Model):
                             f"param {name!r} is in optimizer group {index} but records "
                             f"group {entry.group}"
                         )
+        if self.tensor_parallel is not None:
+            for name, split in self.tensor_parallel.params.items():
+                entry = self.params.get(name)
+                if entry is None:
+                    raise ValueError(f"tensor_parallel lists unknown param {name!r}")
+                if split.logical_shape != entry.shape:
+                    raise ValueError(
+                        f"tensor_parallel.params[{name!r}].logical_shape {split.logical_shape} "
+                        f"is not the param's shape {entry.shape}"
+                    )
         return self
 
     def resolve(self, name: str) -> str:

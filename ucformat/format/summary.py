@@ -63,6 +63,18 @@ def summarize(manifest: CheckpointManifest) -> StoreSummary:
         "progress": f"global_steps {progress.global_steps}, global_samples "
         f"{progress.global_samples}, skipped_steps {progress.skipped_steps}",
     }
+    if manifest.megatron is not None:
+        header["megatron"] = manifest.megatron.describe()
+    tp = manifest.tensor_parallel
+    if tp is not None:
+        kinds = [split.kind for split in tp.params.values()]
+        header["tensor parallel"] = (
+            f"{tp.framework}, degree {tp.degree}: {kinds.count('split')} split, "
+            f"{kinds.count('replicated')} replicated, {kinds.count('affine')} other "
+            "(arrays hold full shapes)"
+        )
+    if source.pipeline is not None:
+        header["pipeline"] = source.pipeline.describe()
     if progress.loss_scaler is not None:
         header["loss scaler"] = (
             f"{progress.loss_scaler.class_name} scale {progress.loss_scaler.cur_scale:g}"

@@ -8,6 +8,9 @@ rows, as torch splits them; trailing pieces may be short or empty.
 
 A block of whole rows of a row-major tensor is one contiguous flat range, so a rank's local
 shard is the flat range :func:`local_flat_range` and reading it is one range read of the store.
+Any other placement (``Shard(d)`` for ``d > 0``, ``_StridedShard``: tensor parallelism) is
+described by :mod:`ucformat.layout.placements`, which ``ucformat.torch`` uses for every
+placement; the functions here stay the FSDP2-only special case.
 
 For writing a store from live shards (``ucformat.torch.save``), :func:`owners` lists which rank
 holds each flat range (one replica each), :func:`aligned_chunking` picks chunk and shard shapes

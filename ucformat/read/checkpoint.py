@@ -7,12 +7,18 @@ any check fails, the range maps to at most ``2 * ndim - 1`` boxes of its array
 (:func:`~ucformat.layout.ranges.flat_range_to_boxes`) read through zarr, which fetches only the
 inner chunks those boxes touch and names any bad chunk. Either way the same bytes are fetched,
 and every byte is counted in :attr:`UniversalCheckpoint.stats`.
+
+A DTensor's local shard that is not one flat range (a ``Shard(1)`` column block: one run per
+row) is read by :meth:`UniversalCheckpoint.read_runs`: the runs' chunk-widened spans that
+overlap or touch are merged (:func:`~ucformat.layout.placements.merge_runs`) and each merged
+span is one range read, so every chunk is fetched once.
 """
 
 from __future__ import annotations
 
 import functools
 import threading
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -22,7 +28,9 @@ from ucformat.errors import ParamNotFoundError
 from ucformat.format.dtypes import numpy_storage_dtype, storage_to_torch, torch_dtype
 from ucformat.format.models import ArrayRef, CheckpointManifest, ScalarState
 from ucformat.format.spec import BUFFER_STATE, FP32_STATE, VALUE_STATE, shard_object_key
+from ucformat.layout.boxes import Run
 from ucformat.layout.chunking import chunk_aligned_range
+from ucformat.layout.placements import merge_runs
 from ucformat.layout.ranges import flat_range_to_boxes
 from ucformat.store.arrays import Array, array_from_manifest, read_box
 from ucformat.store.checked import CheckedStore, IOStats
@@ -154,6 +162,40 @@ class UniversalCheckpoint:
         ref = self.array_ref(name, state)
         out = prefaulted_empty(stop - start, numpy_storage_dtype(ref.dtype))
         self.read_range_into(ref, start, stop, out)
+        tensor = storage_to_torch(out, ref.dtype)
+        if state == FP32_STATE and tensor.dtype != torch.float32:
+            tensor = tensor.to(torch.float32)
+        return tensor
+
+    def read_runs(self, name: str, state: str, runs: Sequence[Run]) -> torch.Tensor:
+        """The global flat ``runs`` of ``state`` of ``name``, concatenated (1-D).
+
+        ``Run.chunk_start`` is each run's position in the result (as
+        :func:`ucformat.layout.placements.local_runs` gives them for a local shard). Runs whose
+        chunks touch are read as one range, so each chunk is fetched once.
+        """
+        ref = self.array_ref(name, state)
+        total = sum(run.length for run in runs)
+        out = prefaulted_empty(total, numpy_storage_dtype(ref.dtype))
+        spans = [
+            chunk_aligned_range(ref.shape, ref.chunk_shape, run.start, run.start + run.length)
+            for run in runs
+        ]
+        for _, _, members in merge_runs(spans):
+            low = min(runs[i].start for i in members)
+            high = max(runs[i].start + runs[i].length for i in members)
+            if len(members) == 1:
+                run = runs[members[0]]
+                self.read_range_into(
+                    ref, low, high, out[run.chunk_start : run.chunk_start + run.length]
+                )
+                continue
+            staged = prefaulted_empty(high - low, numpy_storage_dtype(ref.dtype))
+            self.read_range_into(ref, low, high, staged)
+            for i in members:
+                run = runs[i]
+                at = run.start - low
+                out[run.chunk_start : run.chunk_start + run.length] = staged[at : at + run.length]
         tensor = storage_to_torch(out, ref.dtype)
         if state == FP32_STATE and tensor.dtype != torch.float32:
             tensor = tensor.to(torch.float32)

@@ -128,9 +128,12 @@ def read_flat_state(
         _fill(out, gap, low, filler)
         gap = high
     _fill(out, gap, target.numel, filler)
+    spans = _spans(fragments)
     for fragment in fragments:
         ref = refs[fragment.name]
         window = out[fragment.partition_start : fragment.partition_start + fragment.length]
+        if fragment.name in spans and ref.dtype == stored_dtype:
+            continue  # read below, once for all its fragments
         if ref.dtype == stored_dtype:
             ckpt.read_range_into(ref, fragment.param_start, fragment.param_stop, window)
         else:  # e.g. a frozen bf16 param read as fp32
@@ -140,6 +143,9 @@ def read_flat_state(
             window[:] = values.to(torch.float32).numpy()
         tally.bytes_needed += fragment.length * itemsize(ref.dtype)
         tally.note(ref, fragment.param_start, fragment.param_stop)
+    for name, group in spans.items():
+        if refs[name].dtype == stored_dtype:
+            _read_span(ckpt, refs[name], group, out, tally)
     tensor = storage_to_torch(out, stored_dtype)
     if dtype is not None and tensor.dtype != dtype:
         tensor = tensor.to(dtype)
@@ -193,12 +199,47 @@ def fill_flat_state(
             _fill(out, gap, low, None)
             gap = high
         _fill(out, gap, target.numel, None)
+    spans = _spans(fragments)
     for fragment in fragments:
+        if fragment.name in spans:
+            continue
         ref = ckpt.array_ref(fragment.name, state)
         window = out[fragment.partition_start : fragment.partition_start + fragment.length]
         ckpt.read_range_into(ref, fragment.param_start, fragment.param_stop, window)
         tally.bytes_needed += fragment.length * itemsize(ref.dtype)
         tally.note(ref, fragment.param_start, fragment.param_stop)
+    for name, group in spans.items():
+        _read_span(ckpt, ckpt.array_ref(name, state), group, out, tally)
+
+
+def _spans(fragments: Sequence[Fragment]) -> dict[str, list[Fragment]]:
+    """Parameters with several fragments on this rank (a tensor-parallel shard split on a dim
+    other than 0 is one fragment per row): read once as the span that covers them all."""
+    by_name: dict[str, list[Fragment]] = {}
+    for fragment in fragments:
+        by_name.setdefault(fragment.name, []).append(fragment)
+    return {name: group for name, group in by_name.items() if len(group) > 1}
+
+
+def _read_span(
+    ckpt: UniversalCheckpoint,
+    ref: ArrayRef,
+    group: Sequence[Fragment],
+    out: np.ndarray,
+    tally: ReadTally,
+) -> None:
+    """Read ``[first start, last stop)`` of ``ref`` once, then copy each fragment's part."""
+    low = min(f.param_start for f in group)
+    high = max(f.param_stop for f in group)
+    span = np.empty(high - low, dtype=out.dtype)
+    ckpt.read_range_into(ref, low, high, span)
+    for fragment in group:
+        start = fragment.param_start - low
+        out[fragment.partition_start : fragment.partition_start + fragment.length] = span[
+            start : start + fragment.length
+        ]
+        tally.bytes_needed += fragment.length * itemsize(ref.dtype)
+    tally.note(ref, low, high)
 
 
 def _fill(out: np.ndarray, start: int, stop: int, filler: np.ndarray | None) -> None:

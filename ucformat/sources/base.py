@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ucformat.format.dtypes import dtype_name
+from ucformat.format.experts import ExpertLayout
+from ucformat.format.megatron import MegatronLayout
 from ucformat.format.models import (
     ClientState,
     OptimizerInfo,
@@ -22,6 +24,7 @@ from ucformat.format.models import (
     TrainingProgress,
 )
 from ucformat.format.pyvalue import describe_type
+from ucformat.format.tensor_parallel import TensorParallelInfo
 from ucformat.sources.torchfile import TensorRef, TorchFile
 
 if TYPE_CHECKING:
@@ -115,9 +118,15 @@ class SourceCheckpoint:
     progress: TrainingProgress
     client_state: ClientState
     files: list[TorchFile] = field(default_factory=list, repr=False)
+    #: Expert-parallel (MoE) layout; None for a dense checkpoint.
+    experts: ExpertLayout | None = None
     #: Called by :meth:`close` after the files: releases what a reader shares between them
     #: (the DCP reader's one descriptor per data file).
     closers: list[Callable[[], None]] = field(default_factory=list, repr=False)
+    #: The Megatron-Core layout (``manifest.megatron``), for a ``torch_dist`` source.
+    megatron: MegatronLayout | None = None
+    #: How the source split parameters over tensor-parallel ranks (None: it did not).
+    tensor_parallel: TensorParallelInfo | None = None
 
     def check_integrity(self) -> int:
         """Check every storage member read so far against its file's zip CRC-32.

@@ -65,7 +65,7 @@ from ucformat.sources.dcp_metadata import (
 from ucformat.sources.safe_unpickle import PicklePolicy
 from ucformat.sources.torchfile import TensorRef, TorchFile, open_embedded_torch_file
 
-__all__ = ["BUFFER_NAMES", "is_dcp_folder", "read_dcp_checkpoint"]
+__all__ = ["BUFFER_NAMES", "DcpItems", "is_dcp_folder", "read_dcp_checkpoint"]
 
 #: Model entries outside every param group with these last names (or a non-float dtype) are
 #: buffers; the others are frozen parameters (DCP does not record which is which).
@@ -154,6 +154,10 @@ class _Reader:
         self.fds.clear()
 
     # --- items --------------------------------------------------------------------------------
+    def open_item(self, key: str, offsets: tuple[int, ...] | None) -> TorchFile:
+        """The ``torch.save`` archive of one item (a chunk at ``offsets``, or a bytes value)."""
+        return self._open(key, offsets)
+
     def _open(self, key: str, offsets: tuple[int, ...] | None) -> TorchFile:
         item = self.metadata.items.get((key, offsets))
         if item is None:
@@ -332,6 +336,11 @@ class _Reader:
             train_dtype=floats.most_common(1)[0][0] if floats else "float32",  # type: ignore[arg-type]
             files=[SourceFile(name=n, size=(self.folder / n).stat().st_size) for n in names],
         )
+
+
+#: The item opener, for readers of formats built on DCP (Megatron-Core ``torch_dist``):
+#: ``DcpItems(folder, metadata, policy)``, then ``array(key)``, ``value(key)``, ``open_item``.
+DcpItems = _Reader
 
 
 def _is_buffer(name: str, dtype: str) -> bool:

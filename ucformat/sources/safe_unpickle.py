@@ -41,6 +41,7 @@ from ucformat.format.dtypes import itemsize
 
 __all__ = [
     "DCP_METADATA_CLASSES",
+    "DCP_PLAN_CLASSES",
     "DtypeName",
     "OpaqueObject",
     "PicklePolicy",
@@ -183,13 +184,31 @@ DCP_METADATA_CLASSES: tuple[str, ...] = (
     "torch.distributed.checkpoint.filesystem._StorageInfo",
 )
 
-_DCP_STAND_INS: dict[str, type[StandIn]] = {name: _stand_in(name) for name in DCP_METADATA_CLASSES}
+#: DCP's planner dataclasses: ``Metadata.all_local_plans`` holds every rank's ``SavePlan`` when
+#: the saver keeps them (Megatron-Core's ``torch_dist`` strategy does, to reuse plans). Read as
+#: attribute holders and never used: the storage entries say where every item is.
+DCP_PLAN_CLASSES: tuple[str, ...] = (
+    "torch.distributed.checkpoint.planner.SavePlan",
+    "torch.distributed.checkpoint.planner.WriteItem",
+    "torch.distributed.checkpoint.planner.TensorWriteData",
+)
+
+_DCP_STAND_INS: dict[str, type[StandIn]] = {
+    name: _stand_in(name) for name in (*DCP_METADATA_CLASSES, *DCP_PLAN_CLASSES)
+}
 
 
 def _mem_format(value: Any) -> int:
     """``_MEM_FORMAT_ENCODING(n)`` (an Enum call) is just its number."""
     if not isinstance(value, int) or isinstance(value, bool):
         raise UnsafePickleError(f"_MEM_FORMAT_ENCODING called with {type(value).__name__}")
+    return value
+
+
+def _write_item_type(value: Any) -> int:
+    """``WriteItemType(n)`` (an Enum call) is just its number."""
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise UnsafePickleError(f"WriteItemType called with {type(value).__name__}")
     return value
 
 
@@ -300,8 +319,9 @@ def load_pickle(
 def load_dcp_metadata_pickle(payload: bytes, *, source: str) -> Any:
     """Decode a PyTorch Distributed Checkpoint ``.metadata`` pickle under its own allow-list.
 
-    Admitted: the DCP metadata dataclasses of :data:`DCP_METADATA_CLASSES` (as attribute-holding
-    :class:`StandIn` objects), ``_MEM_FORMAT_ENCODING`` (an int), ``torch.serialization.
+    Admitted: the DCP metadata dataclasses of :data:`DCP_METADATA_CLASSES` and the planner
+    dataclasses of :data:`DCP_PLAN_CLASSES` (as attribute-holding :class:`StandIn` objects),
+    ``_MEM_FORMAT_ENCODING`` and ``WriteItemType`` (Enum calls: ints), ``torch.serialization.
     _get_layout`` (the layout's name), ``torch.Size`` (a tuple), torch dtypes (as
     :class:`DtypeName`: torch is not imported), ``pathlib``
     paths (text) and ``collections.OrderedDict``. No tensor, no persistent id, no placeholder:
@@ -310,6 +330,7 @@ def load_dcp_metadata_pickle(payload: bytes, *, source: str) -> Any:
     table: dict[str, Any] = {
         **_DCP_STAND_INS,
         "torch.distributed.checkpoint.metadata._MEM_FORMAT_ENCODING": _mem_format,
+        "torch.distributed.checkpoint.planner.WriteItemType": _write_item_type,
         "torch.serialization._get_layout": _layout_name,
         "torch.Size": _torch_size,
         "collections.OrderedDict": collections.OrderedDict,

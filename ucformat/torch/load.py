@@ -222,12 +222,14 @@ def load(
     """Load a store into a PyTorch model and (optionally) optimizer.
 
     A plain model (no DTensor parameters) is loaded in this process. A model whose parameters
-    are DTensors (FSDP2 ``fully_shard`` on a 1-D mesh, HSDP on a ``(replicate, shard)`` mesh)
-    is loaded collectively: call it on every rank; each rank reads only the flat ranges its
-    local shards cover, of the weights and of every optimizer state, and optimizer states the
-    optimizer does not hold yet are created as DTensors with the parameter's mesh and
-    placements; param groups are matched to the stored ones by the names of the parameters
-    they hold (docs/fsdp2.md).
+    are DTensors (FSDP2 ``fully_shard`` on a 1-D mesh, HSDP on a ``(replicate, shard)`` mesh,
+    tensor parallel ``parallelize_module``, FSDP2 + TP on a ``(dp, tp)`` mesh: any ``Shard(d)``,
+    ``_StridedShard`` and ``Replicate()`` placements) is loaded collectively: call it on every
+    rank; each rank reads only the runs of flat elements its local shards cover (one per row
+    for a ``Shard(1)`` column block), of the weights and of every optimizer state, and
+    optimizer states the optimizer does not hold yet are created as DTensors with the
+    parameter's mesh and placements; param groups are matched to the stored ones by the names
+    of the parameters they hold (docs/fsdp2.md, docs/tensor-parallel.md).
 
     The model gets every parameter (from fp32, cast by ``load_state_dict`` to the model's
     dtype), tied aliases and buffers. The optimizer (built over the same param groups as the
@@ -247,7 +249,7 @@ def load(
     Raises:
         ModelMismatchError: the model or the optimizer's groups do not match the store.
         UnsupportedExportError: an optimizer was given but the store holds no optimizer state,
-            or a DTensor has placements other than ``Shard(0)``/``Replicate()``.
+            or a DTensor has a ``Partial()`` placement.
         CollectiveError: (DTensor models) some rank could not read its part; nothing was
             loaded on this rank.
 

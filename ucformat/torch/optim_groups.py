@@ -1,9 +1,7 @@
-"""Optimizer param groups and steps between a store and a torch optimizer (no I/O).
+"""A store's optimizer groups and steps in torch.optim's terms (both torch loaders use it).
 
-Shared by the plain loader (:mod:`ucformat.torch.load`) and the DTensor loader
-(:mod:`ucformat.torch.sharded_load`): a stored group's hyper-parameters in torch's form
-(DeepSpeed's FusedAdam keys translated), the merge of a stored group into a live one, and the
-step as torch's Adam keeps it.
+Pure translation of manifest data: FusedAdam's hyper-parameter keys to torch Adam's, the decoupled
+(AdamW) weight-decay flag, a stored group merged into a live one, a step as torch keeps it.
 """
 
 from __future__ import annotations
@@ -17,7 +15,6 @@ from ucformat.format.models import CheckpointManifest
 from ucformat.format.pyvalue import decode
 
 __all__ = [
-    "TORCH_ADAM_DEFAULTS",
     "is_deepspeed_adam",
     "merged_group",
     "stored_decoupled",
@@ -33,11 +30,13 @@ TORCH_ADAM_DEFAULTS: dict[str, Any] = {
 
 
 def is_deepspeed_adam(manifest: CheckpointManifest) -> bool:
+    """True if the store's optimizer was DeepSpeed's own Adam (FusedAdam / DeepSpeedCPUAdam)."""
     name = manifest.optimizer.name if manifest.optimizer else ""
     return name.rpartition(".")[2] in ("FusedAdam", "DeepSpeedCPUAdam")
 
 
 def stored_decoupled(manifest: CheckpointManifest, hyper: dict[str, Any]) -> bool | None:
+    """Whether the stored group used decoupled (AdamW) weight decay; None if unknown."""
     if "decoupled_weight_decay" in hyper:
         return bool(hyper["decoupled_weight_decay"])
     if manifest.optimizer is not None and manifest.optimizer.adam_w_mode is not None:
@@ -73,6 +72,7 @@ def torch_step_tensor(value: Any) -> torch.Tensor:
 def merged_group(
     manifest: CheckpointManifest, index: int, live: dict[str, Any], strict: bool
 ) -> dict[str, Any]:
+    """A live group's hyper-parameters with the stored values of the keys both have."""
     stored = torch_group(manifest, index)
     decoupled = stored_decoupled(manifest, stored)
     live_decoupled = live.get("decoupled_weight_decay")

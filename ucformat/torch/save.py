@@ -7,9 +7,11 @@ same write engine as ``ucformat.deepspeed.save`` (:mod:`ucformat.write.spread`):
 1. describe the model, the optimizer and the lr scheduler as a
    :class:`~ucformat.sources.base.SourceCheckpoint` of in-memory fragments: every parameter
    (tied ones once), buffer, optimizer state and param group; each array's fragments are its
-   owners' flat ranges (:func:`ucformat.layout.dtensor.owners`: one replica each), this rank's
-   as :class:`~ucformat.write.spread.MemoryTensor` (its local shard, in host memory), the
-   others' as :class:`~ucformat.write.spread.RemoteTensor`;
+   owners' runs of flat elements (one replica each, any placements:
+   :func:`ucformat.layout.placements.run_owners`; a ``Shard(0)`` shard is one run, a
+   ``Shard(1)`` column block one per row), this rank's read from a
+   :class:`~ucformat.write.spread.MemoryTensor` (its local shard, in host memory), the others'
+   :class:`~ucformat.write.spread.RemoteTensor`;
 2. plan the store with the converter's planner (:func:`ucformat.write.plan.plan_convert`),
    chunked so shards end on owner boundaries where chunks stay large
    (:func:`~ucformat.layout.dtensor.aligned_chunking`);
@@ -55,7 +57,7 @@ from ucformat.format.spec import (
     state_array_path,
 )
 from ucformat.layout.chunking import Chunking
-from ucformat.layout.dtensor import aligned_chunking, owners
+from ucformat.layout.dtensor import aligned_chunking
 from ucformat.layout.ownership import writers_by_holdings
 from ucformat.sources.base import (
     ArraySource,
@@ -109,19 +111,21 @@ def _array(
     copies: HostCopies,
 ) -> tuple[ArraySource, list[int]]:
     """The array holding ``tensor`` (laid out like ``shard``) in ``dtype``: one fragment per
-    owner (this rank's values in host memory, the others' named), and the owners' first rows."""
-    holders = owners(shard.shape, shard.mesh_shape, shard.shard_dims or (None,), mesh_ranks(shard))
+    owner run (this rank's runs read from its local values in host memory, the others' named),
+    and the runs' first rows."""
+    runs = shard.owners(mesh_ranks(shard))
     array = ArraySource(shard.shape, dtype)
-    for owner in holders:
+    local: MemoryTensor | None = None
+    for owner, at in runs:
         if owner.rank == ranks.rank:
-            data: FragmentTensor = MemoryTensor.of(
-                copies.host(tensor, torch_dtype(dtype)), ranks.rank
-            )
+            if local is None:
+                local = MemoryTensor.of(copies.host(tensor, torch_dtype(dtype)), ranks.rank)
+            data: FragmentTensor = local
         else:
-            data = RemoteTensor(owner.rank, dtype)
-        array.fragments.append(SourceFragment(data, 0, owner.start, owner.stop - owner.start))
+            data, at = RemoteTensor(owner.rank, dtype), 0
+        array.fragments.append(SourceFragment(data, at, owner.start, owner.stop - owner.start))
     inner = math.prod(shard.shape[1:]) if shard.shape else 1
-    return array, [o.start // (inner or 1) for o in holders]
+    return array, [owner.start // (inner or 1) for owner, _ in runs]
 
 
 def _group_info(optimizer: torch.optim.Optimizer, names: dict[int, str]) -> list[OptimizerGroup]:
@@ -360,7 +364,7 @@ def save(
     workers: int = DEFAULT_WORKERS,
     exchange_budget: int = DEFAULT_EXCHANGE_BUDGET,
 ) -> CheckpointManifest:
-    """Write a ucformat store from a live model and optimizer (FSDP2, HSDP or plain).
+    """Write a ucformat store from a live model and optimizer (FSDP2, HSDP, TP, plain).
 
     Under ``torch.distributed`` this is collective: call it on every rank with the same
     arguments. Each store shard is written by the rank holding most of it; the manifest is
@@ -388,7 +392,7 @@ def save(
         CollectiveError: (several ranks) some rank failed, the same error on every rank naming
             the ranks and their messages (an existing store: rank 0's StoreExistsError);
             nothing was committed.
-        UnsupportedExportError: a DTensor with placements other than Shard(0)/Replicate().
+        UnsupportedExportError: a DTensor with a ``Partial()`` placement.
 
     Example:
         >>> ucformat.torch.save(model, optimizer, "ckpt.ucf")  # doctest: +SKIP

@@ -1,14 +1,16 @@
-"""Load a store into a model whose parameters are DTensors (FSDP2, HSDP), on every rank.
+"""Load a store into a model whose parameters are DTensors (FSDP2, HSDP, TP, FSDP2 + TP).
 
 What :func:`ucformat.torch.load` runs when the model holds DTensors. Per rank:
 
 1. compare the model with the manifest (names, global shapes, buffers) and the optimizer's
    param groups with the stored ones, matched by the parameter names they hold; with
    ``strict=True`` any difference fails here, before anything changes;
-2. read, into new tensors, exactly the flat range of every array this rank's local shards cover
-   (:mod:`ucformat.torch.dtensor`): the fp32 weights and every optimizer state of each
-   parameter, frozen parameters, buffers (whole: they are not sharded). A rank whose shard of a
-   parameter is empty reads nothing for it;
+2. read, into new tensors, exactly the runs of flat elements of every array this rank's local
+   shards cover (:mod:`ucformat.torch.dtensor`: one run for a ``Shard(0)`` row block, one per
+   row for a ``Shard(1)`` column block, any placements on any mesh), merged so that each chunk
+   is fetched once (:meth:`~ucformat.read.checkpoint.UniversalCheckpoint.read_runs`): the fp32
+   weights and every optimizer state of each parameter, frozen parameters, buffers (whole:
+   they are not sharded). A rank whose shard of a parameter is empty reads nothing for it;
 3. agree with every other rank that all reads succeeded (one agreement), then write: local
    shards in place, optimizer states into the optimizer's tensors (or as new DTensors with the
    parameter's mesh and placements where the optimizer has none yet), ``step`` in the type the
@@ -24,7 +26,8 @@ from typing import Any
 
 import torch
 
-from ucformat import collective
+from ucformat.collective import NOTHING_LOADED, settle
+from ucformat.collective import group as ranks_group
 from ucformat.errors import (
     ModelMismatchError,
     UCFormatError,
@@ -129,12 +132,12 @@ def _read_param(
     entry = manifest.params[owner]
     shard = local_shard(name, param)
     read = _ParamRead(name, param, shard)
-    # An empty range (a rank whose shard is empty) reads nothing and gives empty tensors.
-    read.fp32 = ckpt.read_range(owner, FP32_STATE, shard.start, shard.stop)
+    # An empty shard (no runs) reads nothing and gives empty tensors.
+    read.fp32 = ckpt.read_runs(owner, FP32_STATE, shard.runs)
     needed = shard.numel * itemsize(ckpt.array_ref(owner, FP32_STATE).dtype)
     for key in state_keys:
         if key in entry.states:
-            read.states[key] = ckpt.read_range(owner, key, shard.start, shard.stop)
+            read.states[key] = ckpt.read_runs(owner, key, shard.runs)
             needed += shard.numel * itemsize(entry.states[key].dtype)
     if state_keys:
         read.scalars = {k: scalar_value(s) for k, s in entry.scalars.items()}
@@ -162,7 +165,7 @@ def load_sharded(
 ) -> None:
     """Fill ``model`` (DTensor parameters) and ``optimizer`` from ``ckpt``; fill ``report``."""
     started = time.perf_counter()
-    before = ckpt.stats.bytes_read
+    before, requests_before = ckpt.stats.bytes_read, ckpt.stats.requests
     manifest = ckpt.manifest
     params = dict(model.named_parameters())
     buffers = persistent_buffers(model)
@@ -193,8 +196,7 @@ def load_sharded(
                 needed += value.numel() * value.element_size()
     except (UCFormatError, OSError) as exc:
         failure = exc
-    ranks = collective.group().operation()
-    collective.settle(failure, ranks, ckpt.where, undone=collective.NOTHING_LOADED)
+    settle(failure, ranks_group().operation(), ckpt.where, undone=NOTHING_LOADED)
 
     # --- nothing above modified the model or the optimizer; from here on, write ---------------
     torch_step = optimizer is not None and type(optimizer).__module__.startswith("torch.optim")
@@ -218,4 +220,5 @@ def load_sharded(
     report.client_state = {k: decode(v) for k, v in manifest.client_state.values.items()}
     report.bytes_read = ckpt.stats.bytes_read - before
     report.bytes_needed = needed
+    report.requests = ckpt.stats.requests - requests_before
     report.seconds = time.perf_counter() - started

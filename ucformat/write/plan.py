@@ -160,6 +160,9 @@ def plan_convert(source: SourceCheckpoint, options: ConvertOptions) -> ConvertPl
         optimizer=source.optimizer,
         progress=source.progress,
         client_state=source.client_state,
+        megatron=source.megatron,
+        tensor_parallel=source.tensor_parallel,
+        experts=source.experts,
     )
     units = tuple(
         unit

@@ -7,7 +7,7 @@ Layout facts are those of DeepSpeed 0.19.8 (docs/format.md, "Sources").
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from math import prod
 from pathlib import Path
 from typing import Any, cast
@@ -20,6 +20,7 @@ from ucformat.errors import (
     UCFormatError,
     UnsupportedCheckpointError,
 )
+from ucformat.format.experts import ExpertLayout
 from ucformat.format.models import (
     ClientState,
     LossScaler,
@@ -33,16 +34,22 @@ from ucformat.format.pyvalue import encode, try_encode
 from ucformat.format.spec import FP32_STATE, VALUE_STATE
 from ucformat.layout.partition import PerParamLayout
 from ucformat.sources.base import ArraySource, SourceCheckpoint, SourceFragment, SourceParam
+from ucformat.sources.deepspeed.experts import MOE_KEYS, read_moe_states
 from ucformat.sources.deepspeed.files import (
     ZeroFiles,
     find_zero_files,
     locate_tag_folder,
     model_states_file,
+    tensor_parallel_degree,
 )
 from ucformat.sources.deepspeed.states import (
     FlatStates,
     read_zero3_states,
     read_zero12_states,
+)
+from ucformat.sources.deepspeed.tensor_parallel import (
+    find_tensor_parallel_files,
+    merge_tensor_parallel,
 )
 from ucformat.sources.safe_unpickle import PicklePolicy, StandIn
 from ucformat.sources.torchfile import TensorRef, TorchFile, open_torch_file
@@ -76,8 +83,14 @@ def read_deepspeed_checkpoint(
     :meth:`SourceCheckpoint.check_integrity` compares them with the files' zip CRC-32s.
     """
     folder, tag_name = locate_tag_folder(Path(src), tag)
+    degree = tensor_parallel_degree(folder)
     try:
-        files = find_zero_files(folder, tag_name)
+        by_rank = (
+            find_tensor_parallel_files(folder, tag_name, degree)
+            if degree > 1
+            else [find_zero_files(folder, tag_name)]
+        )
+        files = by_rank[0]
     except UnsupportedCheckpointError:
         _check_model_file(folder, policy)  # a random .pt is "not DeepSpeed", not "unsupported"
         raise
@@ -85,7 +98,15 @@ def read_deepspeed_checkpoint(
     try:
         models = [_open(p, policy, handles, check_crc) for p in files.model_files]
         optim = [_open(p, policy, handles, check_crc) for p in files.optim_files]
-        return _describe(files, models, optim, handles)
+        others = [
+            (
+                [_open(p, policy, handles, check_crc) for p in f.model_files],
+                [_open(p, policy, handles, check_crc) for p in f.optim_files],
+            )
+            for f in by_rank[1:]
+        ]
+        opener = lambda path: _open(path, policy, handles, check_crc)  # noqa: E731
+        return _describe(files, models, optim, handles, opener, others)
     except UCFormatError:
         _close(handles)
         raise
@@ -141,30 +162,62 @@ def _model_meta(handle: TorchFile) -> Mapping[str, Any]:
 
 
 def _describe(
-    files: ZeroFiles, models: list[TorchFile], optim: list[TorchFile], handles: list[TorchFile]
+    files: ZeroFiles,
+    models: list[TorchFile],
+    optim: list[TorchFile],
+    handles: list[TorchFile],
+    opener: Callable[[Path], TorchFile],
+    other_tp_ranks: Sequence[tuple[list[TorchFile], list[TorchFile]]] = (),
 ) -> SourceCheckpoint:
     meta = _model_meta(models[0])
     world_size = files.world_size
-    if int(meta["dp_world_size"]) != world_size:
-        raise LayoutMismatchError(
-            f"{models[0].path}: dp_world_size is {meta['dp_world_size']} but the folder has "
-            f"{world_size} optimizer shards; files from different runs are mixed."
-        )
-    stage = _zero_stage(optim[0], files.per_rank_model_files)
-    if stage == 3:
-        flat = read_zero3_states(meta, optim, world_size)
+    experts: ExpertLayout | None = None
+    if files.experts is not None:  # native MoE: sources/deepspeed/experts.py
+        if files.per_rank_model_files:
+            raise UnsupportedCheckpointError(
+                f"{files.folder}: a ZeRO-3 MoE checkpoint; ucformat reads MoE checkpoints at "
+                "ZeRO-0/1/2 only."
+            )
+        if (
+            files.optim_files == files.experts.expp_optim
+            and _train_dtype(meta.get("ds_config")) != "float32"
+        ):
+            raise UnsupportedCheckpointError(
+                f"{files.folder}: a ZeRO-0 MoE checkpoint trained in "
+                f"{_train_dtype(meta.get('ds_config'))}; ucformat reads ZeRO-0 MoE in fp32 only."
+            )
+        moe = read_moe_states(meta, models[0], optim, files.experts, opener)
+        stage, flat, world_size, experts = moe.stage, moe.flat, moe.world_size, moe.layout
     else:
-        flat = read_zero12_states(meta, optim, world_size)
+        if int(meta["dp_world_size"]) != world_size:
+            raise LayoutMismatchError(
+                f"{models[0].path}: dp_world_size is {meta['dp_world_size']} but the folder has "
+                f"{world_size} optimizer shards; files from different runs are mixed."
+            )
+        stage = _zero_stage(optim[0], files.per_rank_model_files)
+        if stage == 3:
+            flat = read_zero3_states(meta, optim, world_size)
+        else:
+            flat = read_zero12_states(meta, optim, world_size)
+    tensor_parallel = None
+    if other_tp_ranks:  # AutoTP: every rank's shards placed in full arrays
+        ranks = [(meta, optim)] + [(_model_meta(m[0]), o) for m, o in other_tp_ranks]
+        flat, tensor_parallel = merge_tensor_parallel(ranks, world_size, stage)
     module: Mapping[str, Any] = meta["module"]
     train_dtype = _train_dtype(meta.get("ds_config"))
     tied = {str(a): str(o) for a, o in (meta.get("shared_params") or {}).items()}
     buffer_names = [str(n) for n in meta.get("buffer_names") or []]
     params = _trainable_params(flat, module, train_dtype)
     params.update(_frozen_params(meta, models, stage, world_size, set(params), tied, buffer_names))
+    if tensor_parallel is not None and (len(params) > len(flat.groups) or buffer_names):
+        raise UnsupportedCheckpointError(
+            f"{files.folder}: frozen parameters or buffers in a tensor-parallel checkpoint; "
+            "ucformat converts AutoTP checkpoints whose parameters are all trainable."
+        )
     order = {name: i for i, name in enumerate(module)}
     params = dict(sorted(params.items(), key=lambda kv: order.get(kv[0], len(order))))
     buffers = {name: _whole(module[name], models[0], name) for name in buffer_names}
-    optimizer_state = optim[0].obj["optimizer_state_dict"]
+    optimizer_state = optim[0].obj.get("optimizer_state_dict") or {}  # none at ZeRO-0
     source = SourceInfo(
         framework_version=str(meta.get("ds_version", "unknown")),
         path=str(files.folder.resolve()),
@@ -186,6 +239,8 @@ def _describe(
         progress=_progress(meta, optimizer_state),
         client_state=_client_state(meta),
         files=handles,
+        tensor_parallel=tensor_parallel,
+        experts=experts,
     )
 
 
@@ -400,7 +455,7 @@ def _client_state(meta: Mapping[str, Any]) -> ClientState:
     values: dict[str, Any] = {}
     unrepresentable: dict[str, str] = {}
     for key, value in meta.items():
-        if key in DEEPSPEED_KEYS:
+        if key in DEEPSPEED_KEYS or key in MOE_KEYS:
             continue
         ok, encoded = try_encode(value)
         if ok:

@@ -22,6 +22,7 @@ from ucformat.errors import (
     SourceNotFoundError,
     UnsupportedCheckpointError,
 )
+from ucformat.sources.deepspeed.experts import ExpertFiles, find_expert_files
 
 __all__ = [
     "BF16_PREFIX",
@@ -31,6 +32,7 @@ __all__ = [
     "locate_tag_folder",
     "model_states_file",
     "optim_states_file",
+    "tensor_parallel_degree",
 ]
 
 #: The file of a run folder that names its latest tag.
@@ -39,17 +41,27 @@ LATEST_FILE = "latest"
 BF16_PREFIX = "bf16_"
 
 
-def model_states_file(rank: int | None = None) -> str:
+def model_states_file(rank: int | None = None, mp: int = 0) -> str:
     """The model-states file name: ZeRO-1/2's one file (``rank`` None), else ZeRO-3's file of
-    data-parallel ``rank`` (model-parallel rank 0, the only one ucformat reads or writes)."""
+    data-parallel ``rank``; ``mp`` is the model-parallel (tensor-parallel) rank."""
     if rank is None:
-        return "mp_rank_00_model_states.pt"
-    return f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt"
+        return f"mp_rank_{mp:02d}_model_states.pt"
+    return f"zero_pp_rank_{rank}_mp_rank_{mp:02d}_model_states.pt"
 
 
-def optim_states_file(rank: int, prefix: str = "") -> str:
+def optim_states_file(rank: int, prefix: str = "", mp: int = 0) -> str:
     """The optimizer-states file name of data-parallel ``rank`` (``prefix``: ``bf16_``, ...)."""
-    return f"{prefix}zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
+    return f"{prefix}zero_pp_rank_{rank}_mp_rank_{mp:02d}_optim_states.pt"
+
+
+def tensor_parallel_degree(folder: Path) -> int:
+    """Model-parallel ranks named by the folder's model-states files (1: none beyond rank 0)."""
+    ranks = {
+        int(m["mp"])
+        for p in folder.iterdir()
+        if (m := _MODEL_Z12.match(p.name) or _MODEL_Z3.match(p.name))
+    }
+    return max(ranks, default=0) + 1
 
 
 _OPTIM = re.compile(
@@ -58,7 +70,6 @@ _OPTIM = re.compile(
 _MODEL_Z3 = re.compile(r"^zero_pp_rank_(?P<dp>\d+)_mp_rank_(?P<mp>\d+)_model_states\.pt$")
 _MODEL_Z12 = re.compile(r"^mp_rank_(?P<mp>\d+)_model_states\.pt$")
 _PIPELINE = re.compile(r"^layer_\d+-model_\d+-model_states\.pt$|^layer_\d+-model_states\.pt$")
-_EXPERT = re.compile(r"^expp_rank_|^expert_|_expert_")
 
 
 @dataclass(frozen=True)
@@ -71,6 +82,8 @@ class ZeroFiles:
     model_files: tuple[Path, ...]
     optim_files: tuple[Path, ...]
     per_rank_model_files: bool
+    #: Native MoE expert files (:mod:`ucformat.sources.deepspeed.experts`); None without MoE.
+    experts: ExpertFiles | None = None
 
     @property
     def world_size(self) -> int:
@@ -122,8 +135,9 @@ def _is_model_file(name: str) -> bool:
     return bool(_MODEL_Z12.match(name) or _MODEL_Z3.match(name))
 
 
-def find_zero_files(folder: Path, tag: str) -> ZeroFiles:
-    """List and check the shard files in a tag folder.
+def find_zero_files(folder: Path, tag: str, mp_rank: int | None = None) -> ZeroFiles:
+    """List and check the shard files in a tag folder (of model-parallel rank ``mp_rank``;
+    None: the folder must hold rank 0's only).
 
     Raises:
         NotACheckpointError: no model-states file.
@@ -132,25 +146,28 @@ def find_zero_files(folder: Path, tag: str) -> ZeroFiles:
         LayoutMismatchError: files from different runs are mixed.
     """
     names = sorted(p.name for p in folder.iterdir() if p.is_file())
+    experts = find_expert_files(folder, names)
+    if experts is not None:
+        names = list(experts.other)
     if any(_PIPELINE.match(n) for n in names):
         raise UnsupportedCheckpointError(
             f"{folder}: pipeline-parallel layer files (layer_*-model_states.pt) found; ucformat "
             "converts data-parallel ZeRO checkpoints only."
         )
-    if any(_EXPERT.search(n) for n in names):
-        raise UnsupportedCheckpointError(
-            f"{folder}: MoE expert files found; ucformat does not convert expert parallelism yet."
-        )
-    model_z12 = [n for n in names if _MODEL_Z12.match(n)]
-    model_z3 = {int(m["dp"]): n for n in names if (m := _MODEL_Z3.match(n))}
+    model_z12 = [n for n in names if (m := _MODEL_Z12.match(n)) and _wanted(m["mp"], mp_rank)]
+    model_z3 = {
+        int(m["dp"]): n for n in names if (m := _MODEL_Z3.match(n)) and _wanted(m["mp"], mp_rank)
+    }
     optim: dict[int, str] = {}
     prefixes: set[str] = set()
     for name in names:
         match = _OPTIM.match(name)
         if match is None:
             continue
-        if int(match["mp"]) != 0:
-            raise _tensor_parallel(folder, name)
+        if int(match["mp"]) != (mp_rank or 0):
+            if mp_rank is None:
+                raise _tensor_parallel(folder, name)
+            continue
         dp = int(match["dp"])
         if dp in optim:
             raise LayoutMismatchError(
@@ -161,7 +178,7 @@ def find_zero_files(folder: Path, tag: str) -> ZeroFiles:
         prefixes.add(match["prefix"] or "")
     for name in [*model_z12, *model_z3.values()]:
         mp = _MODEL_Z12.match(name) or _MODEL_Z3.match(name)
-        if mp is not None and int(mp["mp"]) != 0:
+        if mp is not None and int(mp["mp"]) != 0 and mp_rank is None:
             raise _tensor_parallel(folder, name)
     if model_z12 and model_z3:
         raise LayoutMismatchError(
@@ -173,6 +190,8 @@ def find_zero_files(folder: Path, tag: str) -> ZeroFiles:
             f"{folder}: no DeepSpeed model-states file ({model_states_file()} or "
             f"{model_states_file(0)}); not a DeepSpeed checkpoint folder."
         )
+    if not optim and experts is not None and experts.expp_optim and model_z12:
+        return ZeroFiles(folder, tag, (folder / model_z12[0],), experts.expp_optim, False, experts)
     if not optim:
         raise UnsupportedCheckpointError(
             f"{folder}: has model states but no *_optim_states.pt shards; ucformat converts "
@@ -188,7 +207,7 @@ def find_zero_files(folder: Path, tag: str) -> ZeroFiles:
     for rank in range(world_size):
         if rank not in optim:
             raise SourceNotFoundError(
-                f"{folder / optim_states_file(rank, prefix)}: missing; "
+                f"{folder / optim_states_file(rank, prefix, mp_rank or 0)}: missing; "
                 f"the folder has optimizer shards up to rank {world_size - 1}, so every rank "
                 f"0..{world_size - 1} must be present."
             )
@@ -196,7 +215,7 @@ def find_zero_files(folder: Path, tag: str) -> ZeroFiles:
         for rank in range(world_size):
             if rank not in model_z3:
                 raise SourceNotFoundError(
-                    f"{folder / model_states_file(rank)}: missing; "
+                    f"{folder / model_states_file(rank, mp_rank or 0)}: missing; "
                     f"ZeRO-3 writes one model-states file per rank (found {world_size} optimizer "
                     "shards)."
                 )
@@ -217,7 +236,12 @@ def find_zero_files(folder: Path, tag: str) -> ZeroFiles:
         model_files=model_files,
         optim_files=tuple(folder / optim[r] for r in range(world_size)),
         per_rank_model_files=bool(model_z3),
+        experts=experts,
     )
+
+
+def _wanted(mp: str, mp_rank: int | None) -> bool:
+    return mp_rank is None or int(mp) == mp_rank
 
 
 def _tensor_parallel(folder: Path, name: str) -> UnsupportedCheckpointError:

@@ -117,9 +117,16 @@ def _record_scalars(
 
 
 def read_zero12_states(
-    model_meta: Mapping[str, Any], optim: Sequence[TorchFile], world_size: int
+    model_meta: Mapping[str, Any],
+    optim: Sequence[TorchFile],
+    world_size: int,
+    skip_groups: frozenset[int] = frozenset(),
 ) -> FlatStates:
-    """Describe the arrays of a ZeRO-1/2 checkpoint (ZeRO optimizer or ``BF16_Optimizer``)."""
+    """Describe the arrays of a ZeRO-1/2 checkpoint (ZeRO optimizer or ``BF16_Optimizer``).
+
+    Groups in ``skip_groups`` are left to the caller (MoE expert groups, partitioned over fewer
+    ranks: :mod:`ucformat.sources.deepspeed.experts`).
+    """
     first = _key(optim[0].obj, "optimizer_state_dict", optim[0])
     is_bf16_optimizer = "zero_stage" not in first and "loss_scaler" not in first
     states = FlatStates(wrapper="BF16_Optimizer" if is_bf16_optimizer else "DeepSpeedZeroOptimizer")
@@ -128,6 +135,8 @@ def read_zero12_states(
     base0 = _key(first, "base_optimizer_state", optim[0])
     elastic = isinstance(base0, list)
     for g, shapes in enumerate(param_shapes):
+        if g in skip_groups:
+            continue
         params = _numels(shapes)
         layout = PartitionedFlatLayout.build(params, world_size, paddings[g])
         for name, _ in params:

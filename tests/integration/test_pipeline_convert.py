@@ -1,0 +1,171 @@
+"""DeepSpeed PipelineModule checkpoints (pp2 x dp1/dp2, ZeRO-0/1, fp32/bf16, tied or not),
+made by DeepSpeed itself, converted by ``ucformat.convert`` and compared array by array with
+DeepSpeed's own ``ds_to_universal`` output (ZeRO-1; it fails on ZeRO-0 ``BF16_Optimizer``
+pipelines, whose model states have no ``param_shapes``) and with the training job's own
+gathered state (every case; tests/fixtures/pp_cases.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import ucformat
+import ucformat.torch as uctorch
+from tests.conftest import deepspeed_available
+from tests.fixtures.pp_cases import CASES, by_name
+from ucformat.errors import LayoutMismatchError, UnsupportedCheckpointError
+from ucformat.format.summary import summarize
+
+pytestmark = pytest.mark.deepspeed
+
+CONVERTIBLE = [c.name for c in CASES if not c.tied_bias and (c.stage, c.dtype) != (0, "fp32")]
+#: ds_to_universal fails on ZeRO-0 pipelines ("param_shapes must contain dictionaries").
+UNIVERSAL = [c for c in CONVERTIBLE if by_name(c).stage == 1]
+STATES = ("fp32", "exp_avg", "exp_avg_sq")
+
+
+@pytest.fixture(scope="module")
+def pipeline_cases() -> dict[str, Path]:
+    if not deepspeed_available():
+        pytest.skip("DeepSpeed is not installed")
+    from tests.fixtures.pp_cases import generate_pipeline
+
+    return generate_pipeline()
+
+
+@pytest.fixture(scope="module")
+def universal(pipeline_cases: dict[str, Path]) -> dict[str, Path]:
+    from tests.fixtures.pp_cases import to_universal
+
+    return to_universal({name: pipeline_cases[name] for name in UNIVERSAL})
+
+
+def _universal_params(folder: Path) -> dict[str, dict[str, torch.Tensor]]:
+    tag = (folder / "latest_universal").read_text().strip()
+    zero = folder / tag / "zero"
+    params: dict[str, dict[str, torch.Tensor]] = {}
+    for param in sorted(p for p in zero.iterdir() if p.is_dir()):
+        params[param.name] = {}
+        for file in sorted(param.glob("*.pt")):
+            value = torch.load(file, weights_only=False)
+            params[param.name][file.stem] = value["param"] if isinstance(value, dict) else value
+    return params
+
+
+def _truth(folder: Path, stages: int) -> dict[str, dict[str, torch.Tensor]]:
+    """The training job's gathered state; a tied param's stage copies must agree."""
+    truth: dict[str, dict[str, torch.Tensor]] = {}
+    for stage in range(stages):
+        for name, states in torch.load(folder / f"truth-stage{stage}.pt").items():
+            if name in truth:
+                assert all(torch.equal(truth[name][k], v) for k, v in states.items()), name
+            truth[name] = states
+    return truth
+
+
+def _check_store(store: Path, want: dict[str, dict[str, torch.Tensor]]) -> None:
+    ckpt = ucformat.open(store)
+    assert sorted(ckpt.manifest.params) == sorted(want)
+    for name, states in want.items():
+        for state in STATES:
+            got = ckpt.read(name, state)
+            assert got.dtype == torch.float32, (name, state)
+            assert torch.equal(got, states[state].reshape(got.shape)), (name, state)
+        if "step" in states:
+            assert float(ckpt.read(name, "step")) == float(states["step"]), name
+
+
+@pytest.mark.parametrize("case", CONVERTIBLE)
+def test_pipeline_converts_like_the_training_job_holds_it(
+    case: str, pipeline_cases: dict[str, Path], tmp_path: Path
+) -> None:
+    spec = by_name(case)
+    manifest = ucformat.convert(pipeline_cases[case] / "ckpt", tmp_path / "store")
+    _check_store(tmp_path / "store", _truth(pipeline_cases[case], spec.pp))
+    pipeline = manifest.source.pipeline
+    assert pipeline is not None
+    assert pipeline.num_stages == spec.pp and pipeline.data_parallel == spec.dp
+    assert manifest.source.world_size == spec.dp
+    if spec.tied and spec.pp == 1:
+        assert [s.tied for s in pipeline.stages] == [["embed"]]
+        assert [s.layers for s in pipeline.stages] == [[1, 3, 4]]
+    elif spec.tied:
+        assert [s.tied for s in pipeline.stages] == [["embed"], ["embed"]]
+        assert [s.layers for s in pipeline.stages] == [[1], [3, 4]]
+    else:
+        assert [s.tied for s in pipeline.stages] == [[], []]
+        assert [s.layers for s in pipeline.stages] == [[0, 1], [3, 4, 5]]
+    assert manifest.progress.global_steps == 3
+    shown = summarize(manifest).header["pipeline"]
+    assert shown.startswith(f"{spec.pp} stages x dp {spec.dp}; layers per stage: ")
+
+
+@pytest.mark.parametrize("case", UNIVERSAL)
+def test_pipeline_converts_like_ds_to_universal(
+    case: str, pipeline_cases: dict[str, Path], universal: dict[str, Path], tmp_path: Path
+) -> None:
+    ucformat.convert(pipeline_cases[case] / "ckpt", tmp_path / "store")
+    _check_store(tmp_path / "store", _universal_params(universal[case]))
+
+
+def test_pipeline_names_do_not_depend_on_the_stage_count(
+    pipeline_cases: dict[str, Path], tmp_path: Path
+) -> None:
+    names = {
+        case: list(ucformat.convert(pipeline_cases[case] / "ckpt", tmp_path / case).params)
+        for case in ("pp2dp1-z1-fp32-tied", "pp2dp2-z1-bf16-tied")
+    }
+    assert names["pp2dp1-z1-fp32-tied"] == names["pp2dp2-z1-bf16-tied"]
+    assert names["pp2dp1-z1-fp32-tied"] == [
+        "tied_modules.embed.weight", "1.weight", "1.bias", "3.weight", "3.bias",
+        "4.weight", "4.bias",
+    ]  # fmt: skip
+
+
+def test_diverged_tied_copies_are_refused_naming_the_param(
+    pipeline_cases: dict[str, Path], tmp_path: Path
+) -> None:
+    # DeepSpeed all-reduces only the tied weight's gradient across stages: the tied module's
+    # bias is trained apart on the two stages, so its copies differ.
+    with pytest.raises(LayoutMismatchError) as info:
+        ucformat.convert(pipeline_cases["pp2dp1-z1-fp32-tiedbias"] / "ckpt", tmp_path / "s")
+    assert str(info.value).startswith(
+        "tied param 'tied_modules.embed.bias': its 'fp32' differs between pipeline stages 0 and 1"
+    )
+    assert not (tmp_path / "s" / "ucformat.json").exists()
+
+
+def test_fp32_zero0_pipelines_are_refused_in_one_line(
+    pipeline_cases: dict[str, Path], tmp_path: Path
+) -> None:
+    # No ZeRO wrapper: each stage's torch optimizer state is saved by position only.
+    with pytest.raises(UnsupportedCheckpointError) as info:
+        ucformat.convert(pipeline_cases["pp2dp1-z0-fp32-tied"] / "ckpt", tmp_path / "s")
+    message = str(info.value)
+    assert "\n" not in message
+    assert message.endswith(
+        "(ZeRO-0 in fp32: each stage's optimizer state is saved by position, without parameter "
+        "names or param_shapes); ucformat reads pipeline checkpoints trained with ZeRO-1 or bf16."
+    )
+
+
+@pytest.mark.parametrize("case", ["pp2dp2-z1-bf16-tied", "pp2dp1-z1-bf16"])
+def test_pipeline_store_loads_into_a_plain_torch_model(
+    case: str, pipeline_cases: dict[str, Path], tmp_path: Path
+) -> None:
+    from tests.fixtures._pp_load_worker import Plain
+    from tests.fixtures.pp_cases import LR
+
+    spec = by_name(case)
+    ucformat.convert(pipeline_cases[case] / "ckpt", tmp_path / "store")
+    model = Plain(spec, seed=5)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    uctorch.load(model, optimizer, tmp_path / "store")
+    truth = _truth(pipeline_cases[case], spec.pp)
+    for name, param in model.named_parameters():
+        assert torch.equal(param.detach(), truth[name]["fp32"]), name
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(optimizer.state[param][key], truth[name][key]), (name, key)
+        assert float(optimizer.state[param]["step"]) == 3.0

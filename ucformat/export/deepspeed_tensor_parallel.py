@@ -1,0 +1,196 @@
+"""``ucformat export deepspeed --tp T``: a native DeepSpeed AutoTP checkpoint (ZeRO-1/2).
+
+The output is what ``engine.save_checkpoint`` writes in a job of ``world_size`` processes with
+``"tensor_parallel": {"autotp_size": T}``: per tensor-parallel rank ``t`` an ordinary ZeRO
+checkpoint of that rank's *shards* (``mp_rank_{t:02d}_model_states.pt`` and one
+``[bf16_]zero_pp_rank_{dp}_mp_rank_{t:02d}_optim_states.pt`` per data-parallel rank, at
+``world_size / T`` data-parallel ranks), so that a stock ``engine.load_checkpoint`` at that
+layout restores it.
+
+The shard geometry at degree ``T`` is the store's own ``tensor_parallel`` section (a store
+converted from an AutoTP run at tp ``T``): AutoTP's split rules live in DeepSpeed's partitioner
+and the model, not in the store, so another degree is refused. Algorithm: for each rank ``t``,
+a *shard view* of the store (parameters in their shard shapes, every flat range of a shard read
+as the full-array ranges its pieces name) is handed to the plain native export's planner and file
+builders (:mod:`ucformat.export.deepspeed_native`), which write that rank's files.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any, cast
+
+import torch
+
+from ucformat.errors import StoreExistsError, UnsupportedExportError
+from ucformat.export._common import atomic_torch_save, atomic_write_bytes, open_store_arg
+from ucformat.export._deepspeed_common import (
+    build_loss_scaler,
+    deepspeed_classes,
+    group_shapes,
+    model_states,
+    module_state_dict,
+)
+from ucformat.export._native_files import RankFiles
+from ucformat.export._native_target import NativeTarget, native_target, plan_native
+from ucformat.format.models import CheckpointManifest
+from ucformat.format.tensor_parallel import ParamSplit
+from ucformat.layout.tensor_parallel import Piece, ShardMap
+from ucformat.read.checkpoint import UniversalCheckpoint
+from ucformat.sources.deepspeed.files import LATEST_FILE, model_states_file, optim_states_file
+from ucformat.store.keys import StoreLike
+
+__all__ = ["export_deepspeed_tensor_parallel"]
+
+
+@dataclass(frozen=True)
+class _RankTarget(NativeTarget):
+    """The plain target, with the file names of tensor-parallel rank ``mp``."""
+
+    mp: int = 0
+
+    def optim_file(self, rank: int) -> str:
+        """Optimizer-states file name of data-parallel ``rank`` at this tp rank."""
+        return optim_states_file(rank, self.file_prefix, self.mp)
+
+    def model_file(self, rank: int) -> str:
+        """Model-states file name at this tp rank."""
+        return model_states_file(rank if self.stage == 3 else None, self.mp)
+
+
+def _shard_map(name: str, split: ParamSplit, rank: int) -> ShardMap:
+    shard = split.shards[rank]
+    pieces = [
+        Piece(
+            tuple(p.shape),
+            p.source_offset,
+            tuple(p.source_strides),
+            p.dest_offset,
+            tuple(p.dest_strides),
+        )
+        for p in shard.pieces
+    ]
+    return ShardMap.build(split.logical_shape, shard.shard_shape, pieces, f"param '{name}'")
+
+
+class _ShardView:
+    """The store seen by tensor-parallel rank ``rank``: every parameter in its shard shape."""
+
+    def __init__(self, ckpt: UniversalCheckpoint, maps: dict[str, ShardMap]) -> None:
+        self.ckpt = ckpt
+        self.maps = maps
+        manifest = ckpt.manifest
+        params = {
+            name: entry.model_copy(update={"shape": list(maps[name].shard_shape)})
+            for name, entry in manifest.params.items()
+        }
+        self.manifest: CheckpointManifest = manifest.model_copy(
+            update={"params": params, "tensor_parallel": None}
+        )
+
+    def read_range(self, name: str, state: str, start: int, stop: int) -> torch.Tensor:
+        """Shard flat elements ``[start, stop)`` of ``state``: one read of the span they cover."""
+        runs = self.maps[name].translate(start, stop - start)
+        if not runs:
+            return self.ckpt.read_range(name, state, 0, 0)
+        low = min(r.logical_start for r in runs)
+        high = max(r.logical_start + r.length for r in runs)
+        span = self.ckpt.read_range(name, state, low, high)
+        if len(runs) == 1:
+            return span
+        return torch.cat(
+            [span[r.logical_start - low : r.logical_start - low + r.length] for r in runs]
+        )
+
+    def read(self, name: str, state: str) -> Any:
+        """The whole shard of ``state`` in its shard shape."""
+        shard = self.maps[name]
+        numel = 1
+        for dim in shard.shard_shape:
+            numel *= dim
+        return self.read_range(name, state, 0, numel).reshape(shard.shard_shape)
+
+
+def export_deepspeed_tensor_parallel(
+    store: StoreLike | UniversalCheckpoint,
+    out: str | Path,
+    *,
+    world_size: int,
+    tp: int,
+    stage: int,
+    dtype: str | None = None,
+    tag: str | None = None,
+    overwrite: bool = False,
+) -> list[str]:
+    """Write a native AutoTP checkpoint for ``world_size`` processes at tp ``tp``; return the
+    files written (relative to ``out``).
+
+    Raises:
+        UnsupportedExportError: the store holds no tensor-parallel layout at degree ``tp``,
+            ``world_size`` is not a multiple of ``tp``, or ``stage`` is 3.
+        StoreExistsError: ``out/<tag>`` exists and ``overwrite`` is not set.
+    """
+    ckpt = open_store_arg(store)
+    manifest = ckpt.manifest
+    layout = manifest.tensor_parallel
+    if stage == 3:
+        raise UnsupportedExportError(
+            "a native AutoTP export is written for ZeRO-1/2 only; pass --stage 1 or 2."
+        )
+    if world_size % tp:
+        raise UnsupportedExportError(
+            f"world size {world_size} is not a multiple of tp {tp}; expected tp x dp processes."
+        )
+    if layout is None or layout.degree != tp:
+        found = "none" if layout is None else f"tp {layout.degree}"
+        raise UnsupportedExportError(
+            f"a native AutoTP export at tp {tp} needs the store's shard layout at that degree "
+            f"(found {found}); AutoTP's split rules live in DeepSpeed and the model. Export at "
+            "the source's tp, or load the store into the new engine with ucformat.deepspeed.load."
+        )
+    dp = world_size // tp
+    base = native_target(manifest, world_size=dp, stage=stage, dtype=dtype, tag=tag)
+    folder = Path(out)
+    tag_dir = folder / base.tag
+    if tag_dir.exists() and not overwrite:
+        raise StoreExistsError(
+            f"{tag_dir}: exists; pass overwrite=True (--overwrite) to replace it."
+        )
+    tag_dir.mkdir(parents=True, exist_ok=True)
+    classes = deepspeed_classes("deepspeed")
+    scaler, dynamic = build_loss_scaler(classes, manifest, base.dtype, base.ds_config)
+    written: list[str] = []
+    for rank in range(tp):
+        maps = {name: _shard_map(name, layout.params[name], rank) for name in manifest.params}
+        view = cast("UniversalCheckpoint", _ShardView(ckpt, maps))
+        target = _RankTarget(**{f.name: getattr(base, f.name) for f in fields(base)}, mp=rank)
+        plan = plan_native(view.manifest, target)
+        if plan.frozen or view.manifest.buffers:
+            raise UnsupportedExportError(
+                "frozen parameters or buffers in a tensor-parallel export are not supported."
+            )
+        module = module_state_dict(view, target.dtype, placeholders=False)
+        state, _ = model_states(
+            view.manifest,
+            module=module,
+            param_shapes=group_shapes(view.manifest, [g.members for g in plan.flat_groups]),
+            frozen_shapes=OrderedDict() if stage == 2 else None,
+            frozen_fragments=OrderedDict() if stage == 2 else None,
+            shared_params=dict(manifest.tied),
+            world_size=dp,
+            ds_config=target.ds_config,
+            ds_version=classes.version,
+        )
+        state["mp_world_size"] = tp
+        state["checkpoint_parallel_dimensions"] = {"pp_degree": 1, "tp_degree": tp}
+        atomic_torch_save(state, tag_dir / target.model_file(0))
+        written.append(f"{base.tag}/{target.model_file(0)}")
+        files = RankFiles(view, plan, classes, scaler, dynamic)
+        for dp_rank in range(dp):
+            atomic_torch_save(files.optimizer_file(dp_rank), tag_dir / target.optim_file(dp_rank))
+            written.append(f"{base.tag}/{target.optim_file(dp_rank)}")
+    atomic_write_bytes(folder / LATEST_FILE, base.tag.encode())
+    written.append(LATEST_FILE)
+    return written
