@@ -122,7 +122,7 @@ def _array(
                 local = MemoryTensor.of(copies.host(tensor, torch_dtype(dtype)), ranks.rank)
             data: FragmentTensor = local
         else:
-            data, at = RemoteTensor(owner.rank, dtype), 0
+            data = RemoteTensor(owner.rank, dtype)  # the same offset: the plans must agree
         array.fragments.append(SourceFragment(data, at, owner.start, owner.stop - owner.start))
     inner = math.prod(shard.shape[1:]) if shard.shape else 1
     return array, [owner.start // (inner or 1) for owner, _ in runs]
