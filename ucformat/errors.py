@@ -12,6 +12,7 @@ from __future__ import annotations
 
 __all__ = [
     "ChunkMissingError",
+    "CollectiveError",
     "CorruptDataError",
     "CoverageError",
     "DistributedWriteError",
@@ -148,26 +149,37 @@ class StoreWriteError(UCFormatError, OSError):
     was committed."""
 
 
-class LoadAbortedError(UCFormatError):
-    """Another rank of a distributed load failed; this rank loaded nothing either."""
-
-
-class SaveAbortedError(UCFormatError):
-    """Another rank of a distributed save failed; nothing was committed."""
-
-
 class ModelMismatchError(UCFormatError):
     """The target model's parameters do not match the checkpoint's."""
 
 
-class DistributedWriteError(UCFormatError):
-    """A rank of a distributed save or convert failed; no rank committed anything.
+class CollectiveError(UCFormatError):
+    """A step that every rank runs together (a save, a convert, a load) failed on some rank,
+    or some rank did not answer in time; no rank committed or loaded anything.
 
-    Raised on every rank with the same message, naming the rank that failed first and its error
-    (on that rank, chained to the original exception). ``rank`` and ``error_type`` say which.
+    Raised on every rank with the same one-line message, naming the ranks that failed and
+    their messages (on a failing rank, chained to its original exception). ``rank`` is the
+    first failing rank and ``error_type`` its error's class name; ``failures`` maps every
+    failing rank to its message, ``missing`` lists the ranks that did not answer.
     """
 
-    def __init__(self, message: str, *, rank: int = -1, error_type: str = "") -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        rank: int = -1,
+        error_type: str = "",
+        failures: dict[int, str] | None = None,
+        missing: tuple[int, ...] = (),
+    ) -> None:
         super().__init__(message)
         self.rank = rank
         self.error_type = error_type
+        self.failures = dict(failures or {})
+        self.missing = tuple(missing)
+
+
+#: The names of :class:`CollectiveError` before there was one agreement (same class).
+DistributedWriteError = CollectiveError
+SaveAbortedError = CollectiveError
+LoadAbortedError = CollectiveError

@@ -77,7 +77,16 @@ def main() -> int:
     timed("save_checkpoint", lambda: engine.save_checkpoint(
         str(out / "native"), tag=TAG, client_state={"universal_checkpoint_info": {}}))  # fmt: skip
     live = out / "live.ucf"
+    profile_dir = os.environ.get("UCFORMAT_BENCH_PROFILE")  # cProfile the save, per rank
+    if profile_dir:
+        import cProfile
+
+        profiler = cProfile.Profile()
+        profiler.enable()
     report = timed("save", lambda: ucformat.deepspeed.save(engine, live, overwrite=True))
+    if profile_dir:
+        profiler.disable()
+        profiler.dump_stats(str(Path(profile_dir) / f"save-rank{rank}.prof"))
     view = describe_engine(engine)
 
     def copy_partitions() -> int:

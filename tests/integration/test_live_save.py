@@ -10,7 +10,9 @@ and compared with the truth recorded from the saving engine.
 
 Faults: a rank SIGKILLed while writing (``save`` and ``save_async``) leaves a store that does
 not open and that ``verify`` reports; a rank whose writes fail (``RLIMIT_FSIZE``: EFBIG) makes
-every rank raise one ``DistributedWriteError`` naming it, and leaves no store.
+every rank raise one ``CollectiveError`` naming it, and leaves no store; a rank that does
+not answer is named by the others within the agreement timeout; save and save_async to the
+local S3 server write the objects a local save writes.
 """
 
 from __future__ import annotations
@@ -129,8 +131,35 @@ def test_failing_write_is_one_typed_error_on_every_rank(mode: str, work: Path) -
     assert status == 0
     assert result is not None
     outcomes = result["outcomes"]
-    assert [o["raised"] for o in outcomes] == ["DistributedWriteError"] * 2
+    assert [o["raised"] for o in outcomes] == ["CollectiveError"] * 2
     assert {o["failed_rank"] for o in outcomes} == {1}
     assert len({o["message"] for o in outcomes}) == 1  # the same error everywhere
     assert "File too large" in outcomes[0]["message"]
     _refused(work / "fsize" / save.name / "live.ucf")
+
+
+def test_a_rank_that_does_not_answer_is_named_within_the_timeout(work: Path) -> None:
+    save = LiveSave("z1-fp32-dsadam-simple-ws2", "sync")
+    status, result = run_fault(save, "hang", work / "hang")
+    assert status == 0
+    assert result is not None
+    outcomes = result["outcomes"]
+    assert [o["raised"] for o in outcomes] == ["CollectiveError"] * 2
+    assert [o["missing"] for o in outcomes] == [[1], [1]]  # decided once, for both
+    assert len({o["message"] for o in outcomes}) == 1
+    assert "rank 1 of 2 did not answer within 4 s" in outcomes[0]["message"]
+    assert "\n" not in outcomes[0]["message"]
+    _refused(work / "hang" / save.name / "live.ucf")
+
+
+def test_save_and_save_async_to_s3_equal_a_local_save(s3: Any, work: Path) -> None:
+    """ZeRO-3 at 2 ranks: ``save`` and ``save_async`` to the local S3 server write the objects
+    a local ``save`` writes, byte for byte."""
+    from tests.conftest import S3_BUCKET
+
+    save = LiveSave("z3-bf16-dsadam-ftb-ws2", "sync")
+    status, result = run_fault(save, "s3", work / "s3", url=f"s3://{S3_BUCKET}/live")
+    assert status == 0
+    assert result is not None
+    assert result["failures"] == [], "\n".join(result["failures"])
+    assert all(o["blocked"] <= o["seconds"] for o in result["outcomes"])

@@ -254,3 +254,67 @@ def test_missing_bucket_and_s3_sources_are_one_line(s3: S3Server) -> None:
         "local folder",
     )
     assert_user_error(invoke("inspect", url("nothing-here.ucf")), url("nothing-here.ucf"))
+
+
+def test_torch_save_and_save_async_to_s3_equal_a_local_save(s3: S3Server, tmp_path: Path) -> None:
+    """``ucformat.torch.save`` / ``save_async`` to an ``s3://`` URL write the objects a local
+    save writes (byte for byte; the manifest apart from its provenance), and load back."""
+    from tests.fixtures.models import BASE_LR, build_model
+
+    model, groups = build_model("multi", seed=1)
+    optimizer = torch.optim.AdamW(groups, lr=BASE_LR)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1)
+    for param in model.parameters():  # a step, so that every optimizer state exists
+        param.grad = torch.ones_like(param)
+    optimizer.step()
+    scheduler.step()
+    local = tmp_path / "local.ucf"
+    uctorch.save(model, optimizer, local, scheduler=scheduler, **OPTIONS)
+    uctorch.save(model, optimizer, url("torch/sync.ucf"), scheduler=scheduler, **OPTIONS)
+    handle = uctorch.save_async(model, optimizer, url("torch/async.ucf"), scheduler=scheduler,
+                                **OPTIONS)  # fmt: skip
+    handle.result(timeout=120)
+    want = files(local)
+    want_manifest = ucformat.open(local).manifest.model_dump(mode="json")
+    for prefix in ("torch/sync.ucf", "torch/async.ucf"):
+        got = objects(s3, prefix)
+        assert set(got) == set(want)
+        assert {k: v for k, v in got.items() if k != MANIFEST_KEY} == {
+            k: v for k, v in want.items() if k != MANIFEST_KEY
+        }
+        manifest = ucformat.open(url(prefix)).manifest.model_dump(mode="json")
+        for key in set(manifest) - {"source", "digest"}:
+            assert manifest[key] == want_manifest[key], key
+    fresh_model, fresh_groups = build_model("multi", seed=2)
+    fresh_optimizer = torch.optim.AdamW(fresh_groups, lr=BASE_LR)
+    uctorch.load(fresh_model, fresh_optimizer, url("torch/async.ucf"))
+    for key, value in model.state_dict().items():
+        assert torch.equal(fresh_model.state_dict()[key], value), key
+
+
+def test_export_dcp_to_s3(s3: S3Server, stores: tuple[Path, str], tmp_path: Path) -> None:
+    """``ucformat export dcp STORE s3://...`` uploads the files a local export writes (the
+    ``.metadata`` naming its URL), refuses an existing export without ``--overwrite``, and
+    stock DCP reads the uploaded metadata."""
+    local, remote = stores
+    done = invoke("export", "dcp", local, tmp_path / "dcp", "--quiet")
+    assert done.exit_code == 0, done.stderr
+    target = url("exports/dcp")
+    done = invoke("export", "dcp", remote, target, "--quiet")
+    assert done.exit_code == 0, done.stderr
+    assert target in done.stdout
+    want = files(tmp_path / "dcp")
+    got = objects(s3, "exports/dcp")
+    assert set(got) == set(want) and ".metadata" in got
+    assert {k: v for k, v in got.items() if k != ".metadata"} == {
+        k: v for k, v in want.items() if k != ".metadata"
+    }
+    import pickle
+
+    ours, theirs = pickle.loads(got[".metadata"]), pickle.loads(want[".metadata"])
+    assert ours.state_dict_metadata == theirs.state_dict_metadata
+    assert ours.storage_data == theirs.storage_data
+    assert str(ours.storage_meta.checkpoint_id) == target
+    again = invoke("export", "dcp", remote, target)
+    assert_user_error(again, target, "--overwrite")
+    assert invoke("export", "dcp", remote, target, "--overwrite", "--quiet").exit_code == 0

@@ -8,6 +8,7 @@ run that never stopped.
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import pytest
@@ -80,3 +81,57 @@ def test_save_refuses_an_existing_store_and_a_load_refuses_another_model(tmp_pat
     other, other_optimizer = _run("multi", 1, True)
     with pytest.raises(ModelMismatchError, match=r"fc1\.weight"):
         uctorch.load(other, other_optimizer, tmp_path / "s")
+
+
+def test_save_async_keeps_the_state_at_the_call_and_records_the_scheduler(
+    tmp_path: Path,
+) -> None:
+    """``save_async`` returns after the host copy: training goes on while the store is written,
+    and the store holds the state at the call; the scheduler's ``state_dict`` comes back."""
+    model, optimizer = _run("multi", 1, True)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+    for step in range(3):
+        _train(model, optimizer, "multi", range(step, step + 1))
+        scheduler.step()
+    want_model = {k: v.clone() for k, v in model.state_dict().items()}
+    want_optimizer = copy.deepcopy(optimizer.state_dict())
+    want_scheduler = scheduler.state_dict()
+    handle = uctorch.save_async(model, optimizer, tmp_path / "a", scheduler=scheduler)
+    _train(model, optimizer, "multi", range(3, 5))  # changes the live tensors meanwhile
+    scheduler.step()
+    manifest = handle.result(timeout=120)
+    assert handle.done() and manifest.progress.lr_scheduler is not None
+    assert ucformat.open(tmp_path / "a").manifest.digest == manifest.digest
+
+    fresh, fresh_optimizer = _run("multi", 2, True)
+    fresh_scheduler = torch.optim.lr_scheduler.StepLR(fresh_optimizer, step_size=7, gamma=0.9)
+    uctorch.load(fresh, fresh_optimizer, tmp_path / "a", scheduler=fresh_scheduler)
+    for key, want in want_model.items():
+        assert_exact(fresh.state_dict()[key], want, key)
+    got = fresh_optimizer.state_dict()
+    for index, states in want_optimizer["state"].items():
+        for key, value in states.items():
+            assert_exact(got["state"][index][key], value, f"{index}/{key}")
+    assert fresh_scheduler.state_dict() == want_scheduler
+    assert [g["lr"] for g in fresh_optimizer.param_groups] == [
+        g["lr"] for g in want_optimizer["param_groups"]
+    ]
+
+    # a save waits for the pending async one; a store without a scheduler refuses to load one
+    again = uctorch.save_async(model, optimizer, tmp_path / "b")
+    uctorch.save(model, optimizer, tmp_path / "c")
+    assert again.done()
+    assert again.result().progress.lr_scheduler is None
+    with pytest.raises(ModelMismatchError, match="no lr scheduler state"):
+        uctorch.load(fresh, fresh_optimizer, tmp_path / "c", scheduler=fresh_scheduler)
+    uctorch.load(fresh, fresh_optimizer, tmp_path / "c", scheduler=fresh_scheduler, strict=False)
+    assert fresh_scheduler.state_dict() == want_scheduler
+
+
+def test_save_async_failure_is_raised_by_result(tmp_path: Path) -> None:
+    model, optimizer = _run("simple", 1, True)
+    _train(model, optimizer, "simple", range(1))
+    uctorch.save(model, optimizer, tmp_path / "s")
+    handle = uctorch.save_async(model, optimizer, tmp_path / "s")  # exists: refused in the thread
+    with pytest.raises(StoreExistsError, match="overwrite=True"):
+        handle.result(timeout=120)

@@ -15,14 +15,13 @@ from hypothesis import strategies as st
 
 from ucformat.layout.chunking import ChunkPolicy, choose_chunking
 from ucformat.layout.dtensor import (
-    Owner,
     aligned_chunking,
     local_flat_range,
     local_rows,
     owners,
-    plan_unit_writes,
     split_rows,
 )
+from ucformat.layout.ownership import writers_by_holdings
 from ucformat.layout.ranges import check_tiling
 from ucformat.write.plan import shard_regions
 
@@ -93,15 +92,22 @@ def test_every_unit_has_one_writer_and_aligned_layouts_need_no_transfers(
         for dim, piece in zip(shape, region, strict=True):
             start = start * dim + piece.start
         units.append((start, start + prod(p.stop - p.start for p in region)))
-    plan = plan_unit_writes(units, holders)
-    for (start, stop), write in zip(units, plan, strict=True):
-        check_tiling(
-            "unit", stop - start, ((p.start - start, p.stop - start) for p in write.pieces)
-        )
-        mine = sum(p.stop - p.start for p in write.pieces if p.rank == write.writer)
-        assert mine == max(p.stop - p.start for p in write.pieces)
+    pieces = [
+        [
+            (o.rank, max(a, o.start), min(b, o.stop))
+            for o in holders
+            if max(a, o.start) < min(b, o.stop)
+        ]
+        for a, b in units
+    ]
+    held = [{rank: stop - start for rank, start, stop in unit} for unit in pieces]
+    writers = writers_by_holdings(held, max(o.rank for o in holders) + 1)
+    for (start, stop), unit, writer in zip(units, pieces, writers, strict=True):
+        check_tiling("unit", stop - start, ((a - start, b - start) for _, a, b in unit))
+        mine = sum(b - a for rank, a, b in unit if rank == writer)
+        assert mine == max(b - a for _, a, b in unit)
     if chunking != default or len(holders) == 1:
-        assert all(not write.transfers for write in plan), (chunking, holders)
+        assert all(len(unit) == 1 for unit in pieces), (chunking, holders)
 
 
 def test_aligned_chunking_examples() -> None:
@@ -115,9 +121,3 @@ def test_aligned_chunking_examples() -> None:
     assert aligned_chunking((1024, 1024), 4, policy, [0, 509]) == choose_chunking(
         (1024, 1024), 4, policy
     )
-
-
-def test_plan_unit_writes_gives_ties_to_the_first_owner() -> None:
-    plan = plan_unit_writes([(0, 4), (4, 6)], [Owner(3, 0, 2), Owner(5, 2, 6)])
-    assert [w.writer for w in plan] == [3, 5]
-    assert plan[0].transfers[0].rank == 5 and not plan[1].transfers

@@ -27,11 +27,12 @@ from typing import Any
 
 import torch
 
+from ucformat.collective import NOTHING_LOADED, group, settle
 from ucformat.deepspeed.engine import EngineView, describe_engine
 from ucformat.deepspeed.experts import held_elsewhere
 from ucformat.deepspeed.pipeline import other_stage_names
 from ucformat.deepspeed.tensor_parallel import logical_fragments, shard_maps
-from ucformat.errors import LoadAbortedError, ModelMismatchError, UCFormatError
+from ucformat.errors import ModelMismatchError, UCFormatError
 from ucformat.format.models import CheckpointManifest
 from ucformat.format.names import model_named
 from ucformat.format.pyvalue import decode
@@ -109,7 +110,8 @@ def load(
         ModelMismatchError: the models differ and ``strict`` is set.
         UCFormatError: the store is incomplete, corrupt or unsupported (on the rank that met
             the problem; nothing was written on any rank).
-        LoadAbortedError: another rank could not read its part; nothing was written here.
+        CollectiveError: some rank could not read its part (every rank raises it, naming
+            the ranks and their errors); nothing was written on any rank.
     """
     started = time.perf_counter()
     ckpt = store if isinstance(store, UniversalCheckpoint) else open_checkpoint(store)
@@ -150,7 +152,8 @@ def load(
         parts, frozen_values, buffer_values = read_everything()
     except (UCFormatError, OSError) as exc:
         failure = exc
-    _all_ranks_ready(failure, ckpt.where)  # a rank that cannot read makes every rank stop here
+    # a rank that cannot read makes every rank stop here, before anything is written
+    settle(failure, group().operation(), ckpt.where, undone=NOTHING_LOADED)
     report.read_in_place = all(part.fp32 is None for part in parts)
 
     # --- nothing above modified the engine; from here on, write ------------------------------
@@ -181,33 +184,6 @@ def load(
     report.bytes_needed = tally.bytes_needed
     report.seconds = time.perf_counter() - started
     return report
-
-
-def _all_ranks_ready(failure: UCFormatError | OSError | None, where: str) -> None:
-    """Agree across ranks, before anything is written, that every rank read its part.
-
-    Raises ``failure`` on the rank that failed, and :class:`LoadAbortedError` on the others, so
-    that no rank goes on into the engine's collectives alone (and hangs there).
-    """
-    import torch.distributed as dist
-
-    others_failed = False
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        device: Any = "cpu"
-        if dist.get_backend() != "gloo":
-            from deepspeed.accelerator import get_accelerator
-
-            device = get_accelerator().current_device_name()
-        ready = torch.tensor([0 if failure else 1], dtype=torch.int32, device=device)
-        dist.all_reduce(ready, op=dist.ReduceOp.MIN)
-        others_failed = int(ready.item()) == 0
-    if failure is not None:
-        raise failure
-    if others_failed:
-        raise LoadAbortedError(
-            f"{where}: another rank could not read its part of the checkpoint (its error says "
-            "why); nothing was loaded on this rank."
-        )
 
 
 @dataclass

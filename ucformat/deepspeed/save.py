@@ -14,31 +14,31 @@ files, no all-gather of parameters. A shard that straddles two ranks' partitions
 the rank holding most of it; the runs it lacks come from their holders over a private gloo
 group (:mod:`ucformat.write.spread`). Rank 0 commits the manifest once every rank has
 written its part; a failure on any rank raises the same
-:class:`~ucformat.errors.DistributedWriteError` on every rank, and nothing is committed. The
+:class:`~ucformat.errors.CollectiveError` on every rank, and nothing is committed. The
 store equals what ``ucformat convert`` makes of ``engine.save_checkpoint``'s files, array for
 array and manifest for manifest, apart from the provenance (``source``: ``written_by="save"``).
 """
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Mapping
-from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
-from ucformat.collective import Group, agree, group
+from ucformat.collective import Group, group, settle
 from ucformat.deepspeed.engine import describe_engine
-from ucformat.deepspeed.source import HostCopies, describe_live
+from ucformat.deepspeed.source import describe_live
 from ucformat.errors import UnsupportedCheckpointError
 from ucformat.format.models import CheckpointManifest
 from ucformat.layout.ownership import writers_by_holdings
 from ucformat.store.keys import StoreLike, open_store
+from ucformat.write import background
 from ucformat.write.execute import DEFAULT_WORKERS
 from ucformat.write.plan import ConvertPlan, plan_convert
 from ucformat.write.spread import (
     DEFAULT_EXCHANGE_BUDGET,
+    HostCopies,
     SpreadReport,
     holdings,
     write_spread,
@@ -69,37 +69,8 @@ class SaveReport:
     seconds: float
 
 
-class SaveHandle:
-    """An asynchronous save in progress (:func:`save_async`)."""
-
-    def __init__(self, future: Future[SaveReport], thread: threading.Thread) -> None:
-        self._future = future
-        self._thread = thread
-
-    def done(self) -> bool:
-        """Whether the save has finished (committed or failed)."""
-        return self._future.done()
-
-    def result(self, timeout: float | None = None) -> SaveReport:
-        """Wait for the save; its :class:`SaveReport`, or the error it failed with.
-
-        Raises:
-            DistributedWriteError: some rank failed; nothing was committed.
-            TimeoutError: not finished within ``timeout`` seconds.
-        """
-        return self._future.result(timeout)
-
-
-_lock = threading.Lock()
-_pending: SaveHandle | None = None
-
-
-def _wait_for_pending() -> None:
-    """Wait for the previous :func:`save_async` of this process (its error stays on its handle)."""
-    with _lock:
-        previous = _pending
-    if previous is not None:
-        previous._thread.join()
+#: The handle :func:`save_async` returns (its ``result()`` is the :class:`SaveReport`).
+SaveHandle = background.SaveHandle
 
 
 @dataclass
@@ -129,7 +100,7 @@ def _prepare(
 
     location = str(store)
     where = f"{location}: ucformat.deepspeed.save"
-    ranks = group()
+    ranks = group().operation()
     copies = HostCopies(always=copy_all)
     failure: Exception | None = None
     prepared: _Prepared | None = None
@@ -155,9 +126,7 @@ def _prepare(
         prepared = _Prepared(plan, writers, ranks, target, where, location, copies)
     except Exception as exc:  # every rank must learn of it
         failure = exc
-    error = agree(failure, ranks, where)
-    if error is not None:
-        raise error from failure
+    settle(failure, ranks, where)
     assert prepared is not None
     return prepared
 
@@ -180,6 +149,7 @@ def _write(
         overwrite=overwrite,
         workers=workers,
         exchange_budget=exchange_budget,
+        overwrite_hint="overwrite=True",
     )
     seconds = time.perf_counter() - started
     return SaveReport(
@@ -233,11 +203,11 @@ def save(
         This rank's :class:`SaveReport`.
 
     Raises:
-        DistributedWriteError: any rank failed (the same error on every rank, naming it);
+        CollectiveError: any rank failed (the same error on every rank, naming it);
             nothing was committed, and a local store the save created is removed.
     """
     started = time.perf_counter()
-    _wait_for_pending()
+    background.wait_for_pending()
     prepared = _prepare(
         engine, store, client_state, copy_all=False, tag=tag, chunk_bytes=chunk_bytes,
         shard_bytes=shard_bytes, compressor=compressor,
@@ -260,7 +230,7 @@ def save_async(
     compressor: str = "none",
     workers: int = DEFAULT_WORKERS,
     exchange_budget: int = DEFAULT_EXCHANGE_BUDGET,
-) -> SaveHandle:
+) -> background.SaveHandle[SaveReport]:
     """Like :func:`save`, but return once this rank's state is copied to host memory.
 
     First waits for this process's previous ``save_async``. Then, in the calling thread: the
@@ -277,37 +247,23 @@ def save_async(
         A :class:`SaveHandle`; ``result()`` gives the :class:`SaveReport` or raises the error.
 
     Raises:
-        DistributedWriteError: a rank could not describe or copy its state (before anything
+        CollectiveError: a rank could not describe or copy its state (before anything
             was written).
     """
-    global _pending
     started = time.perf_counter()
-    _wait_for_pending()
+    background.wait_for_pending()
     prepared = _prepare(
         engine, store, client_state, copy_all=True, tag=tag, chunk_bytes=chunk_bytes,
         shard_bytes=shard_bytes, compressor=compressor,
     )  # fmt: skip
     blocked = time.perf_counter() - started
-    future: Future[SaveReport] = Future()
-
-    def run() -> None:
-        try:
-            future.set_result(
-                _write(
-                    prepared,
-                    overwrite=overwrite,
-                    workers=workers,
-                    exchange_budget=exchange_budget,
-                    started=started,
-                    blocked=blocked,
-                )
-            )
-        except BaseException as exc:
-            future.set_exception(exc)
-
-    thread = threading.Thread(target=run, name="ucformat-save", daemon=False)
-    handle = SaveHandle(future, thread)
-    with _lock:
-        _pending = handle
-    thread.start()
-    return handle
+    return background.start(
+        lambda: _write(
+            prepared,
+            overwrite=overwrite,
+            workers=workers,
+            exchange_budget=exchange_budget,
+            started=started,
+            blocked=blocked,
+        )
+    )

@@ -19,7 +19,6 @@ them (:class:`~ucformat.write.spread.RemoteTensor`). What comes from where, as i
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
 from math import prod
 from typing import Any
 
@@ -49,42 +48,9 @@ from ucformat.sources.base import (
 from ucformat.sources.deepspeed.checkpoint import _client_state, _optimizer_info
 from ucformat.sources.deepspeed.states import FlatStates
 from ucformat.sources.unwrap import unwrap_names
-from ucformat.write.spread import MemoryTensor, RemoteTensor
+from ucformat.write.spread import HostCopies, MemoryTensor, RemoteTensor
 
 __all__ = ["HostCopies", "describe_live"]
-
-
-@dataclass
-class HostCopies:
-    """How this rank's tensors reach host memory for the writer.
-
-    ``always``: copy every tensor (an asynchronous save must not see later training steps);
-    otherwise CPU tensors are used in place and only device tensors are copied. Copies of
-    device tensors go to pinned memory when CUDA is available.
-    """
-
-    always: bool
-    nbytes: int = 0
-    _pending: list[torch.Tensor] = field(default_factory=list)
-
-    def host(self, tensor: torch.Tensor) -> torch.Tensor:
-        """``tensor`` flattened, in host memory (a copy when needed)."""
-        flat = tensor.detach().reshape(-1)
-        if flat.device.type == "cpu" and not self.always and flat.is_contiguous():
-            return flat
-        pinned = flat.device.type != "cpu" and torch.cuda.is_available()
-        copy = torch.empty(flat.numel(), dtype=flat.dtype, pin_memory=pinned)
-        copy.copy_(flat, non_blocking=pinned)
-        self.nbytes += copy.numel() * copy.element_size()
-        if pinned:
-            self._pending.append(copy)
-        return copy
-
-    def wait(self) -> None:
-        """Wait for the device-to-host copies still in flight."""
-        if self._pending:
-            torch.cuda.synchronize()
-            self._pending.clear()
 
 
 def state_dict_names(module: torch.nn.Module) -> Iterator[tuple[str, bool]]:

@@ -23,7 +23,7 @@ __all__ = ["dcp_metadata"]
 
 
 def dcp_metadata(
-    plan: DcpPlan, where: dict[tuple[str, int], tuple[str, int, int]], out: Path
+    plan: DcpPlan, where: dict[tuple[str, int], tuple[str, int, int]], out: str | Path
 ) -> Any:
     """DCP's own ``Metadata`` for the written items."""
     from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION, _StorageInfo

@@ -56,6 +56,7 @@ from ucformat.export._common import (
 )
 from ucformat.export._dcp_metadata import dcp_metadata
 from ucformat.export._replace import transactional
+from ucformat.export._url_target import export_to_url, is_url
 from ucformat.format.dtypes import itemsize, torch_dtype
 from ucformat.format.models import CheckpointManifest, ScalarState
 from ucformat.format.pyvalue import decode
@@ -326,7 +327,9 @@ def export_dcp(
 
     Args:
         store: a store path/URL/``Store`` or an opened checkpoint.
-        out: destination folder (created; must be empty unless ``overwrite``).
+        out: destination folder (created; must be empty unless ``overwrite``), or a URL
+            (``s3://bucket/prefix``: written to a local staging folder, then uploaded, the
+            ``.metadata`` file last).
         world_size: ranks whose FSDP2 shards the data files hold (default: the source's).
         layout: ``"flat"`` (``flatten_optimizer_state_dict=True``) or ``"nested"``.
         overwrite: replace an earlier DCP export in ``out`` (other files are kept).
@@ -337,12 +340,39 @@ def export_dcp(
     Example:
         >>> ucformat.export.export_dcp("ckpt.ucf", "dcp/", world_size=8)  # doctest: +SKIP
     """
-    clock = Stopwatch()
     hooks = hooks or ExportHooks()
     ckpt = open_store_arg(store)
+    if is_url(out):  # staged in a local folder, then uploaded (the metadata last)
+        return export_to_url(
+            str(out),
+            lambda folder: _export_dcp(
+                ckpt, folder, str(out), world_size, layout, overwrite, dry_run, piece_bytes, hooks
+            ),
+            owned=_owned,
+            overwrite=overwrite,
+            dry_run=dry_run,
+            last=(METADATA_NAME,),
+        )
+    return _export_dcp(
+        ckpt, Path(out), Path(out), world_size, layout, overwrite, dry_run, piece_bytes, hooks
+    )
+
+
+def _export_dcp(
+    ckpt: UniversalCheckpoint,
+    folder: Path,
+    checkpoint_id: str | Path,
+    world_size: int | None,
+    layout: Layout,
+    overwrite: bool,
+    dry_run: bool,
+    piece_bytes: int,
+    hooks: ExportHooks,
+) -> ExportResult:
+    """:func:`export_dcp` into the local ``folder`` (``checkpoint_id``: what the metadata names)."""
+    clock = Stopwatch()
     ranks = world_size or ckpt.manifest.source.world_size
     plan = plan_dcp(ckpt.manifest, world_size=ranks, layout=layout, piece_bytes=piece_bytes)
-    folder = Path(out)
     prepare_destination(folder, overwrite=overwrite, owned=_owned, dry_run=dry_run)
     hooks.plan(plan.nbytes)
     if not dry_run:
@@ -351,7 +381,7 @@ def export_dcp(
             where.update(_write_data_file(ckpt, folder, plan, rank, hooks))
         tmp = folder / f"{METADATA_NAME}.tmp"
         with open(tmp, "wb") as handle:
-            pickle.dump(dcp_metadata(plan, where, folder), handle)
+            pickle.dump(dcp_metadata(plan, where, checkpoint_id), handle)
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(tmp, folder / METADATA_NAME)

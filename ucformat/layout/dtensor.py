@@ -14,14 +14,13 @@ placement; the functions here stay the FSDP2-only special case.
 
 For writing a store from live shards (``ucformat.torch.save``), :func:`owners` lists which rank
 holds each flat range (one replica each), :func:`aligned_chunking` picks chunk and shard shapes
-whose boundaries fall on the owners' boundaries when that keeps chunks reasonably large, and
-:func:`plan_unit_writes` gives every store shard exactly one writer and lists the pieces the
-writer must fetch from the other owners. Everything here is integer arithmetic on plain data.
+whose boundaries fall on the owners' boundaries when that keeps chunks reasonably large (who
+writes each shard is :mod:`ucformat.layout.ownership`'s rule). Everything here is integer
+arithmetic on plain data.
 """
 
 from __future__ import annotations
 
-import bisect
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -31,13 +30,10 @@ from ucformat.layout.partition import ceil_div
 
 __all__ = [
     "Owner",
-    "Piece",
-    "UnitWrite",
     "aligned_chunking",
     "local_flat_range",
     "local_rows",
     "owners",
-    "plan_unit_writes",
     "primary_replica",
     "split_rows",
 ]
@@ -205,61 +201,3 @@ def aligned_chunking(
     if block[0] > 1:  # a shard spans several chunk rows: the same for shards
         block[0] = _largest_divisor(step // chunk[0], block[0])
     return Chunking(tuple(chunk), tuple(b * c for b, c in zip(block, chunk, strict=True)))
-
-
-@dataclass(frozen=True)
-class Piece:
-    """Flat elements ``[start, stop)`` of a store shard, held by global ``rank``."""
-
-    rank: int
-    start: int
-    stop: int
-
-
-@dataclass(frozen=True)
-class UnitWrite:
-    """Who writes one store shard (flat ``[start, stop)``), and the pieces it is made of.
-
-    Pieces held by ranks other than ``writer`` are sent to the writer before it writes.
-    """
-
-    start: int
-    stop: int
-    writer: int
-    pieces: tuple[Piece, ...]
-
-    @property
-    def transfers(self) -> tuple[Piece, ...]:
-        """The pieces the writer receives from other ranks."""
-        return tuple(p for p in self.pieces if p.rank != self.writer)
-
-
-def plan_unit_writes(units: Sequence[tuple[int, int]], holders: Sequence[Owner]) -> list[UnitWrite]:
-    """Give each unit (a store shard's flat range) one writer: the owner of most of it.
-
-    Ties go to the owner earliest in flat order. ``holders`` must tile every unit (as
-    :func:`owners` does); a unit with no holder (an empty array) is written by ``holders``'
-    first rank, or rank 0.
-
-    >>> plan_unit_writes([(0, 8)], [Owner(0, 0, 3), Owner(1, 3, 8)])[0].writer
-    1
-    """
-    ordered = sorted(holders, key=lambda owner: owner.start)
-    starts = [owner.start for owner in ordered]
-    plan = []
-    for start, stop in units:
-        found = []
-        index = max(0, bisect.bisect_right(starts, start) - 1)
-        while index < len(ordered) and ordered[index].start < stop:
-            o = ordered[index]
-            if max(start, o.start) < min(stop, o.stop):
-                found.append(Piece(o.rank, max(start, o.start), min(stop, o.stop)))
-            index += 1
-        pieces = tuple(found)
-        if pieces:
-            most = max(p.stop - p.start for p in pieces)
-            writer = next(p.rank for p in pieces if p.stop - p.start == most)
-        else:
-            writer = ordered[0].rank if ordered else 0
-        plan.append(UnitWrite(start, stop, writer, pieces))
-    return plan

@@ -226,6 +226,7 @@ def load(
     store: StoreLike | UniversalCheckpoint,
     *,
     strict: bool = True,
+    scheduler: Any = None,
 ) -> TorchLoadReport:
     """Load a store into a PyTorch model and (optionally) optimizer.
 
@@ -250,12 +251,15 @@ def load(
         store: a store path/URL/``Store`` or an opened checkpoint.
         strict: fail (before changing anything) on missing/unexpected names or an optimizer
             whose weight-decay mode differs from the store's.
+        scheduler: an lr scheduler to restore from the state ``ucformat.torch.save(...,
+            scheduler=)`` (or DeepSpeed) recorded; a store without one is refused (before
+            anything changes) unless ``strict=False``.
 
     Raises:
         ModelMismatchError: the model or the optimizer's groups do not match the store.
         UnsupportedExportError: an optimizer was given but the store holds no optimizer state,
             or a DTensor has a ``Partial()`` placement.
-        LoadAbortedError: (DTensor models) another rank could not read its part; nothing was
+        CollectiveError: (DTensor models) some rank could not read its part; nothing was
             loaded on this rank.
 
     Example:
@@ -267,10 +271,17 @@ def load(
     manifest = ckpt.manifest
     report = TorchLoadReport()
     reshard(model)  # FSDP2 modules left unsharded by an evaluation forward
+    scheduler_state = manifest.progress.lr_scheduler if scheduler is not None else None
+    if scheduler is not None and scheduler_state is None and strict:
+        raise ModelMismatchError(
+            f"{ckpt.where}: a scheduler was given but the store holds no lr scheduler state; "
+            "pass scheduler=None, or strict=False to leave it as it is. Nothing was loaded."
+        )
     if any(is_dtensor(p) for p in model.parameters()):
         from ucformat.torch.sharded_load import load_sharded
 
         load_sharded(model, optimizer, ckpt, strict, report)
+        _restore_scheduler(scheduler, scheduler_state)
         return report
     started, before = time.perf_counter(), ckpt.stats.bytes_read
     saved = model_state_dict(ckpt)
@@ -297,6 +308,7 @@ def load(
     model.load_state_dict(saved, strict=strict)
     if optimizer_sd is not None and optimizer is not None:
         optimizer.load_state_dict(optimizer_sd)
+    _restore_scheduler(scheduler, scheduler_state)
     report.client_state = {k: decode(v) for k, v in manifest.client_state.values.items()}
     report.bytes_read = ckpt.stats.bytes_read - before
     report.bytes_needed = sum(
@@ -305,6 +317,12 @@ def load(
     report.seconds = time.perf_counter() - started
     report.requests = ckpt.stats.requests - requests_before
     return report
+
+
+def _restore_scheduler(scheduler: Any, state: Any) -> None:
+    """Give ``scheduler`` the stored state (nothing when either is None)."""
+    if scheduler is not None and state is not None:
+        scheduler.load_state_dict(decode(state))
 
 
 def _arrays_read(manifest: CheckpointManifest, with_optimizer: bool) -> list[ArrayRef]:

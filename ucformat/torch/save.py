@@ -1,43 +1,46 @@
-"""``ucformat.torch.save``: write a store from a live PyTorch model and optimizer.
+"""``ucformat.torch.save`` / ``save_async``: write a store from a live PyTorch model.
 
 Works for a plain model in one process and, collectively, for a model whose parameters are
-DTensors (FSDP2, HSDP) under ``torch.distributed``. Every rank runs the same steps:
+DTensors (FSDP2, HSDP) under ``torch.distributed``. Every rank runs the same steps, with the
+same write engine as ``ucformat.deepspeed.save`` (:mod:`ucformat.write.spread`):
 
-1. describe the model and the optimizer: every parameter (tied ones once), buffer, optimizer
-   state and param group, with each rank's local shard (:mod:`ucformat.torch.dtensor`). The
-   ranks exchange this small description once, so they all plan the same store;
-2. plan the store with the converter's planner (:func:`ucformat.write.plan.plan_convert`). Each
-   array is described by its owners' runs of flat elements (one replica each, any placements:
+1. describe the model, the optimizer and the lr scheduler as a
+   :class:`~ucformat.sources.base.SourceCheckpoint` of in-memory fragments: every parameter
+   (tied ones once), buffer, optimizer state and param group; each array's fragments are its
+   owners' runs of flat elements (one replica each, any placements:
    :func:`ucformat.layout.placements.run_owners`; a ``Shard(0)`` shard is one run, a
-   ``Shard(1)`` column block one per row), and chunked so shards end on owner boundaries
-   where chunks stay large (:func:`~ucformat.layout.dtensor.aligned_chunking`);
-3. give every store shard exactly one writer, the rank holding most of it
-   (:func:`~ucformat.layout.dtensor.plan_unit_writes`); the pieces of a shard held by other
-   ranks are sent to the writer (point-to-point, all at once);
-4. rank 0 creates the store's metadata, then every rank writes its shards with the converter's
-   writer (:func:`ucformat.write.execute.write_units`) straight from its local tensors;
-5. the ranks agree that every rank succeeded; only then rank 0 commits the manifest. A failure
-   anywhere leaves no committed store and raises on every rank.
+   ``Shard(1)`` column block one per row), this rank's read from a
+   :class:`~ucformat.write.spread.MemoryTensor` (its local shard, in host memory), the others'
+   :class:`~ucformat.write.spread.RemoteTensor`;
+2. plan the store with the converter's planner (:func:`ucformat.write.plan.plan_convert`),
+   chunked so shards end on owner boundaries where chunks stay large
+   (:func:`~ucformat.layout.dtensor.aligned_chunking`);
+3. give every store shard one writer by :mod:`ucformat.layout.ownership`'s rule (the rank
+   holding most of it) and write: the bytes a writer lacks come over the bounded all-to-all
+   exchange, rank 0 commits the manifest once every rank agreed
+   (:func:`~ucformat.write.spread.write_spread`). A failure anywhere leaves no committed store
+   and raises the same :class:`~ucformat.errors.CollectiveError` on every rank.
+
+:func:`save_async` copies the local shards to host memory, then writes in a background thread.
 
 The stored state has the converter's form: ``fp32`` (fp32 weights; frozen params in their own
 dtype), one array per optimizer state (``exp_avg``, ``exp_avg_sq``, ...), the ``step`` scalar,
-param groups with their hyper-parameters, so ``ucformat.deepspeed.load`` and
-``ucformat.torch.load`` resume from it at any world size.
+param groups with their hyper-parameters, the lr scheduler's ``state_dict`` when one is given,
+so ``ucformat.deepspeed.load`` and ``ucformat.torch.load`` resume from it at any world size.
 """
 
 from __future__ import annotations
 
-import bisect
 import math
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
 from typing import Any
 
-import numpy as np
 import torch
 
-from ucformat.errors import SaveAbortedError, StoreExistsError, UCFormatError
-from ucformat.format.dtypes import dtype_name, itemsize, numpy_storage_dtype, torch_to_storage
+from ucformat.collective import Group, group, settle
+from ucformat.errors import UCFormatError
+from ucformat.format.dtypes import dtype_name, itemsize, torch_dtype
 from ucformat.format.models import (
     CheckpointManifest,
     ClientState,
@@ -54,19 +57,18 @@ from ucformat.format.spec import (
     buffer_array_path,
     state_array_path,
 )
-from ucformat.layout.chunking import Chunking, ChunkPolicy
-from ucformat.layout.dtensor import Owner, UnitWrite, aligned_chunking, plan_unit_writes
+from ucformat.layout.chunking import Chunking
+from ucformat.layout.dtensor import aligned_chunking
+from ucformat.layout.ownership import writers_by_holdings
 from ucformat.sources.base import (
     ArraySource,
+    FragmentTensor,
     SourceCheckpoint,
     SourceFragment,
     SourceParam,
     scalar_state,
 )
-from ucformat.store.arrays import array_from_manifest, create_arrays
-from ucformat.store.keys import Store, StoreLike, open_store
-from ucformat.store.lifecycle import discard_store, start_store
-from ucformat.store.manifest_io import commit_manifest
+from ucformat.store.keys import StoreLike, open_store
 from ucformat.torch.dtensor import (
     LocalShard,
     is_dtensor,
@@ -75,138 +77,64 @@ from ucformat.torch.dtensor import (
     persistent_buffers,
     reshard,
 )
-from ucformat.write.execute import DEFAULT_WORKERS, write_units
-from ucformat.write.plan import ConvertOptions, ConvertPlan, plan_convert
+from ucformat.write import background
+from ucformat.write.convert import convert_options
+from ucformat.write.execute import DEFAULT_WORKERS
+from ucformat.write.plan import ConvertPlan, plan_convert
+from ucformat.write.spread import (
+    DEFAULT_EXCHANGE_BUDGET,
+    HostCopies,
+    MemoryTensor,
+    RemoteTensor,
+    holdings,
+    write_spread,
+)
 
-__all__ = ["save"]
-
-
-class LiveTensor:
-    """A fragment's tensor for the writer: this rank's local values, or (on a writer) the
-    pieces other ranks sent it, addressed by flat element offset within the fragment."""
-
-    def __init__(self, rank: int, dtype: str, local: np.ndarray | None) -> None:
-        self.rank = rank
-        self.dtype = dtype
-        self._runs: list[tuple[int, np.ndarray]] = [] if local is None else [(0, local)]
-
-    def add(self, start: int, values: np.ndarray) -> None:
-        """Make elements ``[start, start + len(values))`` available (received from their owner)."""
-        bisect.insort(self._runs, (start, values), key=lambda run: run[0])
-
-    def _slice(self, start: int, stop: int) -> np.ndarray:
-        index = bisect.bisect_right([s for s, _ in self._runs], start) - 1
-        if index < 0:
-            raise RuntimeError(f"elements [{start}, {stop}) of rank {self.rank} were not received")
-        first, values = self._runs[index]
-        if stop - first > len(values):
-            raise RuntimeError(f"elements [{start}, {stop}) of rank {self.rank} were not received")
-        return values[start - first : stop - first]
-
-    @property
-    def dtype_name(self) -> str:
-        """The manifest's name of the values' dtype."""
-        return self.dtype
-
-    def is_contiguous(self) -> bool:
-        """Always: the values are flat."""
-        return True
-
-    def read_into(self, out: np.ndarray, start: int, stop: int) -> None:
-        """Copy flat elements ``[start, stop)`` into ``out``."""
-        out[:] = self._slice(start, stop)
-
-    def read_scattered(self, start: int, views: Sequence[memoryview]) -> None:
-        """Copy consecutive flat elements from ``start`` on into the byte ``views``."""
-        item = itemsize(self.dtype)
-        for view in views:
-            count = len(view) // item
-            view[:] = self._slice(start, start + count).view(np.uint8).data
-            start += count
-
-    def load(self) -> torch.Tensor:
-        """Unused (the values are contiguous)."""
-        raise NotImplementedError
+__all__ = ["save", "save_async"]
 
 
 @dataclass
-class _Array:
-    """One array to write: its path, owners (one per run) and this rank's local values
-    (``local_at``: where each of this rank's runs starts in them)."""
+class _Described:
+    """The live state as the planner sees it, and what the plan needs besides."""
 
-    path: str
-    shape: tuple[int, ...]
-    dtype: str
-    holders: list[Owner]
-    local: np.ndarray | None
-    local_at: dict[int, int] = field(default_factory=dict)
-    tensors: dict[int, LiveTensor] = field(default_factory=dict)
-
-    def mine(self, owner: Owner) -> np.ndarray | None:
-        """This rank's values of ``owner``'s run (None for another rank's)."""
-        if self.local is None or owner.rank != _rank():
-            return None
-        at = self.local_at[owner.start]
-        return self.local[at : at + owner.stop - owner.start]
-
-    def source(self) -> ArraySource:
-        array = ArraySource(self.shape, self.dtype)
-        for owner in self.holders:
-            tensor = LiveTensor(owner.rank, self.dtype, self.mine(owner))
-            self.tensors[owner.start] = tensor
-            array.fragments.append(SourceFragment(tensor, 0, owner.start, owner.stop - owner.start))
-        return array
+    source: SourceCheckpoint
+    #: Array path -> the first rows of its owners (for the aligned chunking).
+    rows: dict[str, list[int]]
+    #: Array path -> (shape, dtype).
+    shapes: dict[str, tuple[tuple[int, ...], str]]
 
 
-def _distributed() -> bool:
-    import torch.distributed as dist
-
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-
-
-def _rank() -> int:
-    import torch.distributed as dist
-
-    return dist.get_rank() if _distributed() else 0
-
-
-def _world() -> int:
-    import torch.distributed as dist
-
-    return dist.get_world_size() if _distributed() else 1
-
-
-def _comm_device() -> torch.device:
-    import torch.distributed as dist
-
-    if _distributed() and dist.get_backend() != "gloo" and torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def _flat_storage(tensor: torch.Tensor, dtype: str) -> np.ndarray:
-    """This rank's values of ``tensor`` as a flat CPU array of the stored dtype."""
-    from ucformat.format.dtypes import torch_dtype
-
-    values = tensor.detach().to("cpu", torch_dtype(dtype)).contiguous().reshape(-1)
-    return torch_to_storage(values)
-
-
-def _array(path: str, shard: LocalShard, tensor: torch.Tensor, dtype: str) -> _Array:
-    """The array ``path`` holding ``tensor`` (laid out like ``shard``) in ``dtype``."""
+def _array(
+    shard: LocalShard,
+    tensor: torch.Tensor,
+    dtype: str,
+    ranks: Group,
+    copies: HostCopies,
+) -> tuple[ArraySource, list[int]]:
+    """The array holding ``tensor`` (laid out like ``shard``) in ``dtype``: one fragment per
+    owner run (this rank's runs read from its local values in host memory, the others' named),
+    and the runs' first rows."""
     runs = shard.owners(mesh_ranks(shard))
-    holders = [owner for owner, _ in runs]
-    local_at = {owner.start: at for owner, at in runs if owner.rank == _rank()}
-    local = _flat_storage(tensor, dtype) if local_at else None
-    return _Array(path, shard.shape, dtype, holders, local, local_at)
+    array = ArraySource(shard.shape, dtype)
+    local: MemoryTensor | None = None
+    for owner, at in runs:
+        if owner.rank == ranks.rank:
+            if local is None:
+                local = MemoryTensor.of(copies.host(tensor, torch_dtype(dtype)), ranks.rank)
+            data: FragmentTensor = local
+        else:
+            data = RemoteTensor(owner.rank, dtype)  # the same offset: the plans must agree
+        array.fragments.append(SourceFragment(data, at, owner.start, owner.stop - owner.start))
+    inner = math.prod(shard.shape[1:]) if shard.shape else 1
+    return array, [owner.start // (inner or 1) for owner, _ in runs]
 
 
 def _group_info(optimizer: torch.optim.Optimizer, names: dict[int, str]) -> list[OptimizerGroup]:
     groups = []
-    for group in optimizer.param_groups:
-        hyper = {str(k): encode(v) for k, v in group.items() if k != "params"}
+    for members in optimizer.param_groups:
+        hyper = {str(k): encode(v) for k, v in members.items() if k != "params"}
         groups.append(
-            OptimizerGroup(params=[names[id(p)] for p in group["params"]], hyperparams=hyper)
+            OptimizerGroup(params=[names[id(p)] for p in members["params"]], hyperparams=hyper)
         )
     return groups
 
@@ -228,12 +156,26 @@ def _optimizer_name(optimizer: torch.optim.Optimizer) -> tuple[str, bool | None]
     return name, None
 
 
-#: Params, buffers, every array, tied names and the first DTensor's mesh.
-_Description = tuple[dict[str, SourceParam], dict[str, _Array], list[_Array], dict[str, str], Any]
+def _exact(value: Any, what: str) -> Any:
+    ok, encoded = try_encode(value)
+    if not ok:
+        raise UCFormatError(
+            f"{what}: cannot be stored exactly (contains {encoded}); give a state whose values "
+            "are numbers, strings, lists and dicts."
+        )
+    return encoded
 
 
-def _describe(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> _Description:
-    """Params, buffers, arrays and tied names of the live model (no I/O)."""
+def _describe(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    scheduler: Any,
+    client_state: Mapping[str, Any] | None,
+    location: str,
+    ranks: Group,
+    copies: HostCopies,
+) -> _Described:
+    """The live model, optimizer and scheduler as a source checkpoint (host copies, no I/O)."""
     params = model_named(model.named_parameters(), "the model's parameters")  # format/names.py
     tied: dict[str, str] = {}
     by_id = {id(p): n for n, p in params.items()}
@@ -245,25 +187,31 @@ def _describe(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -
         for index, members in enumerate(optimizer.param_groups):
             for param in members["params"]:
                 group_of[id(param)] = index
-    arrays: list[_Array] = []
+    rows: dict[str, list[int]] = {}
+    shapes: dict[str, tuple[tuple[int, ...], str]] = {}
     out: dict[str, SourceParam] = {}
     mesh = None
+
+    def add(path: str, shard: LocalShard, tensor: torch.Tensor, dtype: str) -> ArraySource:
+        array, firsts = _array(shard, tensor, dtype, ranks, copies)
+        rows[path], shapes[path] = firsts, (shard.shape, dtype)
+        return array
+
     for name, param in params.items():
         shard = local_shard(name, param)
         if shard.mesh is not None and mesh is None:
             mesh = shard.mesh
-        group = group_of.get(id(param))
-        trainable = group is not None
+        group_index = group_of.get(id(param))
+        trainable = group_index is not None
         stored = "float32" if trainable and param.is_floating_point() else dtype_name(param.dtype)
         source = SourceParam(
             shape=shard.shape, dtype=dtype_name(param.dtype), requires_grad=param.requires_grad,
-            group=group,
+            group=group_index,
         )  # fmt: skip
         # Trainable: the fp32 master weight; frozen: the value in its own dtype (format 2).
         value_state = FP32_STATE if trainable else VALUE_STATE
-        fp32 = _array(state_array_path(name, value_state), shard, shard.local, stored)
-        arrays.append(fp32)
-        source.arrays[value_state] = fp32.source()
+        path = state_array_path(name, value_state)
+        source.arrays[value_state] = add(path, shard, shard.local, stored)
         state = optimizer.state.get(param, {}) if optimizer is not None and trainable else {}
         for key, value in sorted(state.items()):
             if (
@@ -272,213 +220,33 @@ def _describe(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -
                 and value.dim()
             ):
                 local = value.to_local() if is_dtensor(value) else value  # type: ignore[attr-defined]
-                item = _array(state_array_path(name, key), shard, local, dtype_name(value.dtype))
-                arrays.append(item)
-                source.arrays[key] = item.source()
+                path = state_array_path(name, key)
+                source.arrays[key] = add(path, shard, local, dtype_name(value.dtype))
             else:
                 source.scalars[key] = scalar_state(value, f"optimizer state '{key}' of '{name}'")
         out[name] = source
-    buffers: dict[str, _Array] = {}
+    buffers: dict[str, ArraySource] = {}
     for name, buffer in model_named(persistent_buffers(model).items(), "buffers").items():
         shard = local_shard(name, buffer)
-        item = _array(buffer_array_path(name), shard, shard.local, dtype_name(buffer.dtype))
-        buffers[name] = item
-        arrays.append(item)
-    return out, buffers, arrays, tied, mesh
-
-
-def _agree(failure: BaseException | None, what: str) -> None:
-    """Raise on every rank if any rank failed (the failing rank re-raises its own error)."""
-    failed: list[Any] = [None]
-    if _distributed():
-        import torch.distributed as dist
-
-        failed = [None] * dist.get_world_size()
-        note = None if failure is None else f"{type(failure).__name__}: {failure}"
-        dist.all_gather_object(failed, note)
-    if failure is not None:
-        raise failure
-    bad = [(rank, note) for rank, note in enumerate(failed) if note is not None]
-    if bad:
-        rank, note = bad[0]
-        raise SaveAbortedError(f"{what}: rank {rank} failed ({note}); nothing was committed.")
-
-
-def _exchange(plan: list[tuple[_Array, UnitWrite]]) -> None:
-    """Send every piece a writer needs from its owner (non-blocking, all at once)."""
-    if not _distributed():
-        return
-    import torch.distributed as dist
-
-    me, device = _rank(), _comm_device()
-    ops = []
-    received: list[tuple[LiveTensor, int, torch.Tensor, str]] = []
-    tag = 0
-    starts: dict[str, list[int]] = {}
-    for array, unit in plan:
-        for piece in unit.transfers:
-            tag += 1
-            if array.path not in starts:  # holders are in flat order (run_owners)
-                starts[array.path] = [o.start for o in array.holders]
-            owner = array.holders[bisect.bisect_right(starts[array.path], piece.start) - 1]
-            offset = piece.start - owner.start
-            mine = array.mine(owner) if piece.rank == me else None
-            if mine is not None:
-                piece_values = mine[offset : offset + piece.stop - piece.start]
-                values = torch.from_numpy(piece_values.view(np.uint8))  # bytes: any dtype
-                ops.append(dist.P2POp(dist.isend, values.to(device), unit.writer, tag=tag))
-            elif unit.writer == me:
-                count = piece.stop - piece.start
-                buffer = torch.empty(
-                    count * itemsize(array.dtype), dtype=torch.uint8, device=device
-                )
-                ops.append(dist.P2POp(dist.irecv, buffer, piece.rank, tag=tag))
-                received.append((array.tensors[owner.start], offset, buffer, array.dtype))
-    if ops:
-        for request in dist.batch_isend_irecv(ops):
-            request.wait()
-    for tensor, offset, buffer, dtype in received:
-        tensor.add(offset, buffer.cpu().numpy().view(numpy_storage_dtype(dtype)))
-
-
-def save(
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer | None,
-    store: StoreLike,
-    *,
-    client_state: dict[str, Any] | None = None,
-    overwrite: bool = False,
-    chunk_bytes: int | None = None,
-    shard_bytes: int | None = None,
-    workers: int = DEFAULT_WORKERS,
-) -> CheckpointManifest:
-    """Write a ucformat store from a live model and optimizer (FSDP2, HSDP, TP, plain).
-
-    Under ``torch.distributed`` this is collective: call it on every rank with the same
-    arguments. Each rank writes the store shards its local shards cover; the manifest is
-    committed once every rank has succeeded.
-
-    Args:
-        model: the model (DTensor parameters from ``fully_shard``, or plain tensors).
-        optimizer: its optimizer (``torch.optim``), or None for weights only.
-        store: a local path, an fsspec URL, or a zarr ``Store``.
-        client_state: small extra state to keep with the checkpoint (JSON-like values).
-        overwrite: replace an existing ucformat store at ``store``.
-        chunk_bytes: inner chunk target (read granularity); default 64 KiB.
-        shard_bytes: shard target (storage object size); default 16 MiB.
-        workers: threads writing shards concurrently on each rank.
-
-    Returns:
-        The committed manifest.
-
-    Raises:
-        StoreExistsError: ``store`` exists and ``overwrite`` is not set (on every rank: rank 0
-            raises it, the others :class:`SaveAbortedError` naming it).
-        SaveAbortedError: another rank failed; nothing was committed.
-        UnsupportedExportError: a DTensor with a ``Partial()`` placement.
-
-    Example:
-        >>> ucformat.torch.save(model, optimizer, "ckpt.ucf")  # doctest: +SKIP
-    """
-    where = str(store)
-    failure: BaseException | None = None
-    reshard(model)
-    try:  # 1-2: describe and plan (local work only)
-        params, buffers, arrays, tied, mesh = _describe(model, optimizer)
-    except (UCFormatError, ValueError, TypeError) as exc:
-        failure = exc
-    _agree(failure, where)
-    _check_same_everywhere(params, arrays)
-    try:
-        plan = _plan(
-            model, optimizer, store, client_state, (chunk_bytes, shard_bytes),
-            (params, buffers, arrays, tied, mesh),
-        )  # fmt: skip
-        by_path = {a.path: a for a in arrays}
-        writes = [
-            (array, plan_unit_writes([(unit.flat_start, unit.flat_stop)], array.holders)[0])
-            for unit in plan.units
-            for array in [by_path[plan.arrays[unit.array].path]]
-        ]
-    except (UCFormatError, ValueError, TypeError) as exc:
-        failure = exc
-    _agree(failure, where)
-    zstore: Store | None = None
-    created = False
-    if _rank() == 0:  # 4: the store's metadata, by one rank
-        try:
-            zstore = open_store(store, read_only=False)
-            try:  # the destination emptied, the root group written (uncommitted)
-                created = start_store(zstore, overwrite)
-            except StoreExistsError as exc:  # the API's option, not the CLI's
-                raise StoreExistsError(str(exc).replace("--overwrite", "overwrite=True")) from None
-            create_arrays(zstore, plan.arrays)
-        except (UCFormatError, OSError) as exc:
-            failure = exc
-            if zstore is not None:  # release the lock, remove what was staged
-                discard_store(zstore, created)
-    _agree(failure, where)
-    try:  # 3-4: pieces to their writers, then every rank writes its shards
-        _exchange(writes)
-        if zstore is None:
-            zstore = open_store(store, read_only=False)
-        opened = [array_from_manifest(zstore, ref) for ref in plan.arrays]
-        me = _rank()
-        mine = [unit for unit, (_, w) in zip(plan.units, writes, strict=True) if w.writer == me]
-        write_units(plan, opened, mine, workers=workers)
-    except (UCFormatError, OSError, RuntimeError) as exc:
-        failure = exc
-    committed = plan.manifest
-    try:  # 5: commit once everyone succeeded
-        _agree(failure, where)
-        if _rank() == 0:
-            try:
-                assert zstore is not None
-                committed = commit_manifest(zstore, plan.manifest)
-            except (UCFormatError, OSError) as exc:
-                failure = exc
-        _agree(failure, where)
-    except BaseException:
-        if _rank() == 0 and zstore is not None:
-            discard_store(zstore, created)
-        raise
-    return committed
-
-
-def _plan(
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer | None,
-    store: StoreLike,
-    client_state: dict[str, Any] | None,
-    targets: tuple[int | None, int | None],
-    described: _Description,
-) -> ConvertPlan:
-    params, buffers, arrays, tied, mesh = described
-    chunk_bytes, shard_bytes = targets
-    default = ChunkPolicy()
-    chunk = chunk_bytes or default.chunk_bytes
-    policy = ChunkPolicy(chunk, shard_bytes or max(default.shard_bytes, chunk))
-    layouts: dict[str, Chunking] = {}
-    for array in arrays:
-        if array.shape:
-            inner = math.prod(array.shape[1:]) or 1
-            rows = [o.start // inner for o in array.holders]
-            layouts[array.path] = aligned_chunking(array.shape, itemsize(array.dtype), policy, rows)
+        buffers[name] = add(buffer_array_path(name), shard, shard.local, dtype_name(buffer.dtype))
+    copies.wait()
     info = None
     if optimizer is not None:
         names = {id(p): model_name(n) for n, p in model.named_parameters()}
-        name, adam_w = _optimizer_name(optimizer)
+        opt_name, adam_w = _optimizer_name(optimizer)
         state_keys = sorted(
-            {k for p in params.values() if p.group is not None for k in p.arrays if k != FP32_STATE}
+            {k for p in out.values() if p.group is not None for k in p.arrays if k != FP32_STATE}
         )
-        scalar_keys = sorted({k for p in params.values() for k in p.scalars})
+        scalar_keys = sorted({k for p in out.values() for k in p.scalars})
         info = OptimizerInfo(
-            name=name, adam_w_mode=adam_w, state_keys=state_keys, scalar_keys=scalar_keys,
+            name=opt_name, adam_w_mode=adam_w, state_keys=state_keys, scalar_keys=scalar_keys,
             groups=_group_info(optimizer, names),
         )  # fmt: skip
-    trainable = [p for p in model.parameters() if p.requires_grad] or list(model.parameters())
-    train_dtype = dtype_name(trainable[0].dtype) if trainable else "float32"
-    steps = [s.value for p in params.values() for k, s in p.scalars.items() if k == "step"]
+    trainable_params = [p for p in model.parameters() if p.requires_grad] or list(
+        model.parameters()
+    )
+    train_dtype = dtype_name(trainable_params[0].dtype) if trainable_params else "float32"
+    steps = [s.value for p in out.values() for k, s in p.scalars.items() if k == "step"]
     values: dict[str, Any] = {}
     unrepresentable: dict[str, str] = {}
     for key, value in (client_state or {}).items():
@@ -487,47 +255,192 @@ def _plan(
             values[str(key)] = encoded
         else:
             unrepresentable[str(key)] = str(encoded)
-    source = SourceCheckpoint(
+    lr_scheduler = None if scheduler is None else _exact(scheduler.state_dict(), "lr_scheduler")
+    source_ckpt = SourceCheckpoint(
         source=SourceInfo(
             framework="pytorch",
             framework_version=torch.__version__.split("+")[0],
             written_by="save",
             checkpoint_format=None,
-            path=str(store),
+            path=location,
             tag="",
-            world_size=_world(),
+            world_size=ranks.world_size,
             train_dtype=train_dtype,  # type: ignore[arg-type]
             mesh_shape=list(mesh.shape) if mesh is not None else None,
             mesh_dim_names=list(mesh.mesh_dim_names)
             if mesh is not None and mesh.mesh_dim_names
             else None,
         ),
-        params=params,
-        buffers={name: array.source() for name, array in buffers.items()},
+        params=out,
+        buffers=buffers,
         tied=tied,
         optimizer=info,
-        progress=TrainingProgress(global_steps=int(max(steps, default=0))),
+        progress=TrainingProgress(
+            global_steps=int(max(steps, default=0)), lr_scheduler=lr_scheduler
+        ),
         client_state=ClientState(values=values, unrepresentable=unrepresentable),
     )
-    return plan_convert(source, ConvertOptions(policy=policy, layouts=layouts))
+    return _Described(source_ckpt, rows, shapes)
 
 
-def _check_same_everywhere(params: dict[str, SourceParam], arrays: list[_Array]) -> None:
-    """Every rank must plan the same store: compare a digest of the description."""
-    if not _distributed():
-        return
-    import torch.distributed as dist
+def _plan(described: _Described, chunk_bytes: int | None, shard_bytes: int | None) -> ConvertPlan:
+    """The store's plan, with the converter's chunk policy and shards on owner boundaries."""
+    options = convert_options(chunk_bytes, shard_bytes)
+    layouts: dict[str, Chunking] = {}
+    for path, (shape, dtype) in described.shapes.items():
+        if shape:
+            layouts[path] = aligned_chunking(
+                shape, itemsize(dtype), options.policy, described.rows[path]
+            )
+    return plan_convert(described.source, replace(options, layouts=layouts))
 
-    summary = [
-        repr((a.path, a.shape, a.dtype, [(o.rank, o.start, o.stop) for o in a.holders]))
-        for a in arrays
-    ]
-    summary += [f"{name}: {p.scalars!r}" for name, p in params.items()]
-    everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, "\n".join(summary))
-    if any(other != everyone[0] for other in everyone):
-        raise SaveAbortedError(
-            "the ranks describe different models or optimizer states (names, shapes, "
-            "optimizer state keys or steps differ); every rank must call save with the same "
-            "sharded model. Nothing was written."
+
+@dataclass
+class _Prepared:
+    plan: ConvertPlan
+    writers: list[int]
+    group: Group
+    store: Any
+    where: str
+
+
+def _prepare(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    store: StoreLike,
+    *,
+    scheduler: Any,
+    client_state: Mapping[str, Any] | None,
+    chunk_bytes: int | None,
+    shard_bytes: int | None,
+    copy_all: bool,
+) -> _Prepared:
+    """Describe, plan and choose the writers; agree that every rank could (collective)."""
+    location = str(store)
+    where = f"{location}: ucformat.torch.save"
+    ranks = group().operation()
+    reshard(model)
+    failure: Exception | None = None
+    prepared: _Prepared | None = None
+    try:
+        copies = HostCopies(always=copy_all)
+        described = _describe(model, optimizer, scheduler, client_state, location, ranks, copies)
+        plan = _plan(described, chunk_bytes, shard_bytes)
+        writers = writers_by_holdings(holdings(plan), ranks.world_size)
+        prepared = _Prepared(plan, writers, ranks, open_store(store, read_only=False), where)
+    except Exception as exc:  # every rank must learn of it
+        failure = exc
+    settle(failure, ranks, where)
+    assert prepared is not None
+    return prepared
+
+
+def _write(
+    prepared: _Prepared, *, overwrite: bool, workers: int, exchange_budget: int
+) -> CheckpointManifest:
+    report = write_spread(
+        prepared.plan,
+        prepared.store,
+        writers=prepared.writers,
+        group=prepared.group,
+        where=prepared.where,
+        overwrite=overwrite,
+        workers=workers,
+        exchange_budget=exchange_budget,
+        overwrite_hint="overwrite=True",
+    )
+    return report.manifest or prepared.plan.manifest
+
+
+def save(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    store: StoreLike,
+    *,
+    scheduler: Any = None,
+    client_state: dict[str, Any] | None = None,
+    overwrite: bool = False,
+    chunk_bytes: int | None = None,
+    shard_bytes: int | None = None,
+    workers: int = DEFAULT_WORKERS,
+    exchange_budget: int = DEFAULT_EXCHANGE_BUDGET,
+) -> CheckpointManifest:
+    """Write a ucformat store from a live model and optimizer (FSDP2, HSDP, TP, plain).
+
+    Under ``torch.distributed`` this is collective: call it on every rank with the same
+    arguments. Each store shard is written by the rank holding most of it; the manifest is
+    committed once every rank has succeeded. Waits first for this process's
+    :func:`save_async` still running.
+
+    Args:
+        model: the model (DTensor parameters from ``fully_shard``, or plain tensors).
+        optimizer: its optimizer (``torch.optim``), or None for weights only.
+        store: a local path, an fsspec URL (``s3://...``), or a zarr ``Store``.
+        scheduler: an lr scheduler whose ``state_dict()`` is kept (``ucformat.torch.load``
+            restores it when given one).
+        client_state: small extra state to keep with the checkpoint (JSON-like values).
+        overwrite: replace an existing ucformat store at ``store``.
+        chunk_bytes: inner chunk target (read granularity); default as ``ucformat convert``.
+        shard_bytes: shard target (storage object size); default as ``ucformat convert``.
+        workers: threads writing shards concurrently on each rank.
+        exchange_budget: bytes one exchange round of straddling shards moves at most.
+
+    Returns:
+        The committed manifest.
+
+    Raises:
+        StoreExistsError: (one process) ``store`` exists and ``overwrite`` is not set.
+        CollectiveError: (several ranks) some rank failed, the same error on every rank naming
+            the ranks and their messages (an existing store: rank 0's StoreExistsError);
+            nothing was committed.
+        UnsupportedExportError: a DTensor with a ``Partial()`` placement.
+
+    Example:
+        >>> ucformat.torch.save(model, optimizer, "ckpt.ucf")  # doctest: +SKIP
+    """
+    background.wait_for_pending()
+    prepared = _prepare(
+        model, optimizer, store, scheduler=scheduler, client_state=client_state,
+        chunk_bytes=chunk_bytes, shard_bytes=shard_bytes, copy_all=False,
+    )  # fmt: skip
+    return _write(prepared, overwrite=overwrite, workers=workers, exchange_budget=exchange_budget)
+
+
+def save_async(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    store: StoreLike,
+    *,
+    scheduler: Any = None,
+    client_state: dict[str, Any] | None = None,
+    overwrite: bool = False,
+    chunk_bytes: int | None = None,
+    shard_bytes: int | None = None,
+    workers: int = DEFAULT_WORKERS,
+    exchange_budget: int = DEFAULT_EXCHANGE_BUDGET,
+) -> background.SaveHandle[CheckpointManifest]:
+    """Like :func:`save`, but return once this rank's state is copied to host memory.
+
+    First waits for this process's previous ``save_async``. Then, in the calling thread: the
+    plan is made and every local shard this rank holds (weights, optimizer states, buffers) is
+    copied to host memory (pinned when it lives on a GPU). The writing, the exchange of
+    straddling shards and the commit happen in a background thread, on ucformat's private gloo
+    group, while training goes on: the next ``optimizer.step()`` does not change what is saved.
+    Call ``handle.result()`` before ``torch.distributed.destroy_process_group``.
+
+    Returns:
+        A handle; ``result()`` gives the committed manifest or raises the error.
+
+    Raises:
+        CollectiveError: a rank could not describe or copy its state (nothing was written).
+    """
+    background.wait_for_pending()
+    prepared = _prepare(
+        model, optimizer, store, scheduler=scheduler, client_state=client_state,
+        chunk_bytes=chunk_bytes, shard_bytes=shard_bytes, copy_all=True,
+    )  # fmt: skip
+    return background.start(
+        lambda: _write(
+            prepared, overwrite=overwrite, workers=workers, exchange_budget=exchange_budget
         )
+    )

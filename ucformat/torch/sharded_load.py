@@ -11,7 +11,7 @@ What :func:`ucformat.torch.load` runs when the model holds DTensors. Per rank:
    is fetched once (:meth:`~ucformat.read.checkpoint.UniversalCheckpoint.read_runs`): the fp32
    weights and every optimizer state of each parameter, frozen parameters, buffers (whole:
    they are not sharded). A rank whose shard of a parameter is empty reads nothing for it;
-3. agree with every other rank that all reads succeeded (one all-reduce), then write: local
+3. agree with every other rank that all reads succeeded (one agreement), then write: local
    shards in place, optimizer states into the optimizer's tensors (or as new DTensors with the
    parameter's mesh and placements where the optimizer has none yet), ``step`` in the type the
    optimizer uses, hyper-parameters into the matched groups.
@@ -26,8 +26,9 @@ from typing import Any
 
 import torch
 
+from ucformat.collective import NOTHING_LOADED, settle
+from ucformat.collective import group as ranks_group
 from ucformat.errors import (
-    LoadAbortedError,
     ModelMismatchError,
     UCFormatError,
     UnsupportedExportError,
@@ -144,27 +145,6 @@ def _read_param(
     return read, needed
 
 
-def _all_ranks_ready(failure: BaseException | None, where: str) -> None:
-    """Raise on every rank if any rank failed to read (before any rank writes)."""
-    import torch.distributed as dist
-
-    others_failed = False
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        device: Any = "cpu"
-        if dist.get_backend() != "gloo" and torch.cuda.is_available():
-            device = torch.device("cuda", torch.cuda.current_device())
-        ready = torch.tensor([0 if failure else 1], dtype=torch.int32, device=device)
-        dist.all_reduce(ready, op=dist.ReduceOp.MIN)
-        others_failed = int(ready.item()) == 0
-    if failure is not None:
-        raise failure
-    if others_failed:
-        raise LoadAbortedError(
-            f"{where}: another rank could not read its part of the checkpoint (its error says "
-            "why); nothing was loaded on this rank."
-        )
-
-
 def _set_state(state: dict[str, Any], key: str, read: _ParamRead, values: torch.Tensor) -> None:
     """Put ``values`` (this rank's flat range) into the optimizer state ``key``."""
     existing = state.get(key)
@@ -217,7 +197,7 @@ def load_sharded(
                 needed += value.numel() * value.element_size()
     except (UCFormatError, OSError) as exc:
         failure = exc
-    _all_ranks_ready(failure, ckpt.where)
+    settle(failure, ranks_group().operation(), ckpt.where, undone=NOTHING_LOADED)
 
     # --- nothing above modified the model or the optimizer; from here on, write ---------------
     torch_step = optimizer is not None and type(optimizer).__module__.startswith("torch.optim")

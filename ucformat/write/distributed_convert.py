@@ -93,7 +93,7 @@ def convert_distributed(
         committed one on rank 0).
 
     Raises:
-        DistributedWriteError: some process failed (the same error on every process); nothing
+        CollectiveError: some process failed (the same error on every process); nothing
             was committed.
     """
     import torch.distributed as dist  # here: launched_distributed() must not import torch
@@ -114,7 +114,7 @@ def convert_distributed(
         join_process_group()
         joined = True
     try:
-        ranks = group()
+        ranks = group().operation()
         where = f"{dst}: ucformat convert"
         failure: Exception | None = None
         source = plan = target = None

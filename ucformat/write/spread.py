@@ -17,7 +17,7 @@ naming it on the others: a live save). Each unit has exactly one writer, chosen 
 5. rank 0 commits the manifest (:func:`ucformat.store.manifest_io.commit_manifest`).
 
 A failure anywhere makes every rank raise the same
-:class:`~ucformat.errors.DistributedWriteError`; nothing is committed, and a local store that the
+:class:`~ucformat.errors.CollectiveError`; nothing is committed, and a local store that the
 write created is removed.
 """
 
@@ -25,12 +25,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ucformat.collective import Group, agree, exchange_bytes, fingerprint
+from ucformat.collective import Group, exchange_bytes, fingerprint, settle
+from ucformat.errors import StoreExistsError
 from ucformat.format.dtypes import itemsize
 from ucformat.format.models import CheckpointManifest
 from ucformat.layout.ownership import exchange_rounds
@@ -47,6 +48,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DEFAULT_EXCHANGE_BUDGET",
+    "HostCopies",
     "MemoryTensor",
     "RemoteTensor",
     "SpreadReport",
@@ -160,6 +162,46 @@ class RemoteTensor:
         raise AssertionError
 
 
+@dataclass
+class HostCopies:
+    """How this rank's tensors reach host memory for the writer.
+
+    ``always``: copy every tensor (an asynchronous save must not see later training steps);
+    otherwise CPU tensors are used in place and only device tensors are copied. Copies of
+    device tensors go to pinned memory when CUDA is available.
+    """
+
+    always: bool
+    nbytes: int = 0
+    _pending: list[torch.Tensor] = field(default_factory=list)
+
+    def host(self, tensor: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """``tensor`` flattened, in host memory, in ``dtype`` (default its own; a copy when
+        needed)."""
+        import torch
+
+        flat = tensor.detach().reshape(-1)
+        target = flat.dtype if dtype is None else dtype
+        local = flat.device.type == "cpu" and flat.dtype == target and flat.is_contiguous()
+        if local and not self.always:
+            return flat
+        pinned = flat.device.type != "cpu" and torch.cuda.is_available()
+        copy = torch.empty(flat.numel(), dtype=target, pin_memory=pinned)
+        copy.copy_(flat, non_blocking=pinned)
+        self.nbytes += copy.numel() * copy.element_size()
+        if pinned:
+            self._pending.append(copy)
+        return copy
+
+    def wait(self) -> None:
+        """Wait for the device-to-host copies still in flight."""
+        if self._pending:
+            import torch
+
+            torch.cuda.synchronize()
+            self._pending.clear()
+
+
 def _rank_of(copy: CopyItem) -> int | None:
     """The rank holding a copy's bytes, or None if any rank can read them (a file)."""
     rank = getattr(copy.fragment.tensor, "rank", None)
@@ -189,8 +231,11 @@ def plan_fingerprint(plan: ConvertPlan) -> str:
                 + [[_rank_of(c), c.tensor_start, c.offset, c.length] for c in u.copies]
                 for u in plan.units
             ],
+            # scalars such as every parameter's step: the ranks must be at the same point
+            {name: entry.model_dump(mode="json").get("scalars") for name, entry in
+             plan.manifest.params.items()},
         ]
-    )
+    )  # fmt: skip
 
 
 @dataclass
@@ -245,32 +290,39 @@ def write_spread(
     exchange_budget: int = DEFAULT_EXCHANGE_BUDGET,
     progress: Callable[[int], None] | None = None,
     before_commit: Callable[[], object] | None = None,
+    overwrite_hint: str = "",
 ) -> SpreadReport:
     """Write ``plan`` into ``store`` from every rank of ``group``; rank 0 commits.
 
     Call on every rank with the same plan structure and ``writers`` (one rank per unit).
     ``before_commit`` runs on every rank after its writes (e.g. the source CRC check); its
-    error fails every rank before anything is committed.
+    error fails every rank before anything is committed. ``overwrite_hint`` replaces the
+    CLI's ``--overwrite`` in the message of an existing store (``overwrite=True`` for the API).
 
     Raises:
-        DistributedWriteError: some rank failed (the same error on every rank); nothing was
+        CollectiveError: some rank failed (the same error on every rank); nothing was
             committed.
     """
     started = time.perf_counter()
     report = SpreadReport(manifest=plan.manifest)
     rank = group.rank
-    _raise(agree(None, group, where, extra=plan_fingerprint(plan)), None)
+    settle(None, group, where, extra=plan_fingerprint(plan))
 
     failure: BaseException | None = None
     created = False
     arrays: list[Any] = []
     if rank == 0:
         try:
-            created = start_store(store, overwrite)
+            try:
+                created = start_store(store, overwrite)
+            except StoreExistsError as exc:
+                if not overwrite_hint:
+                    raise
+                raise StoreExistsError(str(exc).replace("--overwrite", overwrite_hint)) from None
             arrays = create_arrays(store, plan)
         except Exception as exc:  # every rank must learn of it, whatever it is
             failure = exc
-    _raise(agree(failure, group, where), failure, lambda: _discard(rank, store, created))
+    settle(failure, group, where, cleanup=lambda: _discard(rank, store, created))
 
     try:
         if rank != 0:  # the same objects rank 0 created, opened without reading them
@@ -293,13 +345,14 @@ def write_spread(
         ]
         try:
             write_units(plan, arrays, mine, workers=workers, progress=progress)
+            _flush(plan, store, [u for i, u in enumerate(plan.units) if writers[i] == rank])
             report.units_written += len(mine)
             report.bytes_written += sum(_unit_bytes(plan, unit) for unit in mine)
             if before_commit is not None:
                 before_commit()
         except Exception as exc:
             failure = exc
-    _raise(agree(failure, group, where), failure, lambda: _discard(rank, store, created))
+    settle(failure, group, where, cleanup=lambda: _discard(rank, store, created))
 
     if rank == 0:
         try:
@@ -307,9 +360,36 @@ def write_spread(
             report.committed = True
         except Exception as exc:
             failure = exc
-    _raise(agree(failure, group, where), failure)
+    settle(failure, group, where)
     report.seconds = time.perf_counter() - started
     return report
+
+
+def _flush(plan: ConvertPlan, store: Store, units: Sequence[WriteUnit]) -> None:
+    """fsync the shard files this rank wrote (a local store), all ranks at once.
+
+    The commit's durable step (:func:`~ucformat.store.manifest_io.commit_manifest`) fsyncs the
+    whole store on rank 0; done here first, in parallel on every rank, the flushing is spread
+    over the ranks and rank 0's pass finds the files already clean.
+    """
+    from concurrent.futures import ThreadPoolExecutor
+
+    from ucformat.format.spec import shard_object_key
+    from ucformat.store.direct.objects import local_file
+    from ucformat.store.durable import SYNC_WORKERS, fsync_path
+    from ucformat.write.shard_encode import shard_of
+
+    if not units or local_file(store, "zarr.json") is None:
+        return
+    paths = []
+    for unit in units:
+        ref = plan.arrays[unit.array]
+        if ref.shape:
+            path = local_file(store, shard_object_key(ref.path, shard_of(ref, unit)))
+            if path is not None and path.is_file():
+                paths.append(path)
+    with ThreadPoolExecutor(max_workers=SYNC_WORKERS) as pool:
+        list(pool.map(fsync_path, paths))
 
 
 def _discard(rank: int, store: Store, created: bool) -> None:
@@ -355,13 +435,16 @@ def _exchange_round(
                     outgoing[run.writer].append(np.zeros(run.nbytes, dtype=np.uint8))
             if run.writer == rank:
                 incoming[run.source] += run.nbytes
-    send = [
-        torch.from_numpy(np.concatenate(parts)) if parts else torch.empty(0, dtype=torch.uint8)
-        for parts in outgoing
-    ]
-    received = exchange_bytes(send, incoming, group)
+    sizes = [sum(part.size for part in parts) for parts in outgoing]
+    payload = np.empty(sum(sizes), dtype=np.uint8)  # one copy of the runs, in rank order
+    at = 0
+    for parts in outgoing:
+        for part in parts:
+            payload[at : at + part.size] = part
+            at += part.size
+    received = exchange_bytes(torch.from_numpy(payload), sizes, incoming, group)
     report.exchange_rounds += 1
-    report.bytes_sent += sum(int(t.numel()) for d, t in enumerate(send) if d != rank)
+    report.bytes_sent += sum(size for d, size in enumerate(sizes) if d != rank)
     report.bytes_received += sum(incoming)
     if failure is not None:
         return failure
@@ -388,15 +471,3 @@ def _exchange_round(
     except Exception as exc:
         return exc
     return None
-
-
-def _raise(
-    error: BaseException | None,
-    failure: BaseException | None,
-    cleanup: Callable[[], object] | None = None,
-) -> None:
-    if error is None:
-        return
-    if cleanup is not None:
-        cleanup()
-    raise error from failure
