@@ -10,6 +10,7 @@ from ucformat.errors import UnsupportedExportError
 from ucformat.export.hf_names import hf_llama_tensors
 from ucformat.format.megatron import MegatronFused, MegatronLayout, MegatronParam
 from ucformat.format.models import ArrayRef, CheckpointManifest, ParamEntry, SourceInfo
+from ucformat.format.spec import state_array_path
 
 HIDDEN = 6
 
@@ -26,10 +27,11 @@ def _manifest(
     params = {
         name: ParamEntry(
             shape=shape, dtype="float32", requires_grad=True, group=None,
-            states={"fp32": ArrayRef(path=f"p/{i}", dtype="float32", shape=shape,
-                                     chunk_shape=shape, shard_shape=shape, nbytes=0)},
+            states={"fp32": ArrayRef(path=state_array_path(name, "fp32"), dtype="float32",
+                                     shape=shape, chunk_shape=shape, shard_shape=shape,
+                                     nbytes=0)},
         )
-        for i, (name, shape) in enumerate(shapes.items())
+        for name, shape in shapes.items()
     }  # fmt: skip
     fused = {
         "decoder.layers.0.self_attention.linear_qkv.weight": MegatronFused(
