@@ -268,7 +268,44 @@ def dcp_command(
     )
 
 
+@user_errors
+def accelerate_command(
+    store: Store,
+    out: Out,
+    world_size: Annotated[
+        int | None,
+        typer.Option(
+            help="Ranks whose FSDP2 shards the files hold [default: the source's]; "
+            "load_state reshards to any.",
+            min=1,
+        ),
+    ] = None,
+    index: Annotated[
+        int, typer.Option(help="Write pytorch_model_fsdp_I/ and optimizer_I/.", min=0)
+    ] = 0,
+    overwrite: Overwrite = False,
+    dry_run: DryRun = False,
+    quiet: Quiet = False,
+) -> None:
+    """An Accelerate FSDP2 save_state folder that stock accelerator.load_state(OUT) resumes."""
+    _run(
+        "exporting Accelerate state",
+        quiet,
+        dry_run,
+        lambda hooks: _exporters().export_accelerate(
+            store,
+            out,
+            world_size=world_size,
+            index=index,
+            overwrite=overwrite,
+            dry_run=dry_run,
+            hooks=hooks,
+        ),
+    )
+
+
 export_app.command("safetensors")(safetensors_command)
 export_app.command("deepspeed-universal")(universal_command)
 export_app.command("deepspeed")(deepspeed_command)
 export_app.command("dcp")(dcp_command)
+export_app.command("accelerate")(accelerate_command)

@@ -30,6 +30,7 @@ import torch
 from ucformat.deepspeed.engine import EngineView, describe_engine
 from ucformat.errors import LoadAbortedError, ModelMismatchError, UCFormatError
 from ucformat.format.models import CheckpointManifest
+from ucformat.format.names import model_named
 from ucformat.format.pyvalue import decode
 from ucformat.format.spec import BUFFER_STATE, FP32_STATE, STEP_STATE
 from ucformat.layout.partition import Fragment
@@ -293,7 +294,8 @@ def _frozen_params(
 
 def _buffers(engine: Any) -> dict[str, torch.Tensor]:
     persistent = set(engine.module.state_dict(keep_vars=True))
-    return {n: b for n, b in engine.module.named_buffers() if n in persistent}
+    named = ((n, b) for n, b in engine.module.named_buffers() if n in persistent)
+    return model_named(named, "buffers")  # the names the store holds (format/names.py)
 
 
 def _param_shape(param: torch.Tensor) -> tuple[int, ...]:

@@ -48,6 +48,7 @@ from ucformat.sources.base import (
 )
 from ucformat.sources.deepspeed.checkpoint import _client_state, _optimizer_info
 from ucformat.sources.deepspeed.states import FlatStates
+from ucformat.sources.unwrap import unwrap_names
 from ucformat.write.spread import MemoryTensor, RemoteTensor
 
 __all__ = ["HostCopies", "describe_live"]
@@ -190,7 +191,7 @@ def describe_live(
     params = dict(sorted(params.items(), key=lambda kv: order.get(kv[0], len(order))))
     buffers = _buffers(module, rank, copies)
     copies.wait()
-    return SourceCheckpoint(
+    described = SourceCheckpoint(
         source=_source_info(view, world_size, location, tag),
         params=params,
         buffers=buffers,
@@ -199,6 +200,7 @@ def describe_live(
         progress=_progress(view),
         client_state=_client(engine, client_state),
     )
+    return unwrap_names(described)  # a compiled or checkpoint-wrapped module's own names
 
 
 def _frozen(

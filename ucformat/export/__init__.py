@@ -6,7 +6,9 @@
 * :func:`export_deepspeed`: a native ZeRO-1/2/3 checkpoint for a new world size and stage that
   a stock ``engine.load_checkpoint`` loads;
 * :func:`export_dcp`: a PyTorch Distributed Checkpoint that stock ``dcp.load`` reads into an
-  FSDP2 model at any world size.
+  FSDP2 model at any world size;
+* :func:`export_accelerate`: an Accelerate FSDP2 ``save_state`` folder that stock
+  ``accelerator.load_state`` resumes at any world size.
 
 Each target module plans from the manifest alone (so ``dry_run`` reads no tensor), then streams
 the arrays it needs through :class:`~ucformat.read.checkpoint.UniversalCheckpoint`. DeepSpeed is
@@ -16,6 +18,7 @@ imported only when a DeepSpeed export actually writes files.
 from __future__ import annotations
 
 from ucformat.export._common import ExportHooks, ExportResult
+from ucformat.export.accelerate import export_accelerate
 from ucformat.export.dcp import export_dcp, plan_dcp
 from ucformat.export.deepspeed_native import export_deepspeed, plan_deepspeed
 from ucformat.export.deepspeed_universal import (
@@ -27,6 +30,7 @@ from ucformat.export.safetensors import export_safetensors, plan_safetensors
 __all__ = [
     "ExportHooks",
     "ExportResult",
+    "export_accelerate",
     "export_dcp",
     "export_deepspeed",
     "export_deepspeed_universal",

@@ -30,6 +30,7 @@ from pydantic import (
 )
 
 from ucformat.format.megatron import MegatronLayout
+from ucformat.format.names import model_name
 from ucformat.format.spec import FORMAT_NAME, FORMAT_VERSION
 
 __all__ = [
@@ -304,5 +305,12 @@ class CheckpointManifest(_Model):
         return self
 
     def resolve(self, name: str) -> str:
-        """Return the owner fqn of ``name`` (itself unless it is a tied alias)."""
+        """Return the owner fqn of ``name`` (itself unless it is a tied alias).
+
+        A name with wrapper components (``_checkpoint_wrapped_module.``, ``_orig_mod.``,
+        ``_fsdp_wrapped_module.``: :mod:`ucformat.format.names`) that the store does not hold
+        resolves as the name without them.
+        """
+        if name not in self.params and name not in self.tied:
+            name = model_name(name)
         return self.tied.get(name, name)

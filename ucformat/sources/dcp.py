@@ -84,6 +84,7 @@ def read_dcp_checkpoint(
     model_key: str | None = None,
     optimizer_key: str | None = None,
     policy: PicklePolicy | None = None,
+    metadata: DcpMetadata | None = None,
 ) -> SourceCheckpoint:
     """Open and describe the DCP checkpoint in folder ``src``.
 
@@ -93,6 +94,8 @@ def read_dcp_checkpoint(
             optimizer's FQNs are top-level keys, torchtitan's layout); ``.`` for the top level.
         optimizer_key: prefix of the optimizer state dict (default: ``optimizer`` or ``optim``).
         policy: extra pickle globals admitted as placeholders in non-tensor values.
+        metadata: the decoded metadata, if the caller has it (several folders read as one,
+            item paths relative to ``src``: :mod:`~ucformat.sources.accelerate`).
 
     The returned object holds open file descriptors; close it (or use it as a context manager).
 
@@ -100,7 +103,7 @@ def read_dcp_checkpoint(
         UCFormatError: missing or damaged files, a hostile pickle, an unknown layout.
     """
     folder = Path(src)
-    metadata = read_dcp_metadata(folder)
+    metadata = metadata or read_dcp_metadata(folder)
     reader = _Reader(folder, metadata, policy or PicklePolicy())
     try:
         return reader.describe(model_key, optimizer_key)
@@ -324,7 +327,9 @@ class _Reader:
 
     def _source_info(self, params: dict[str, SourceParam]) -> SourceInfo:
         floats = Counter(p.dtype for p in params.values() if p.dtype in _FLOATING)
-        names = [METADATA_NAME, *self.metadata.data_files]
+        folders = sorted({n.rpartition("/")[0] for n in self.metadata.data_files}) or [""]
+        metadata_files = [f"{d}/{METADATA_NAME}" if d else METADATA_NAME for d in folders]
+        names = [*metadata_files, *self.metadata.data_files]
         return SourceInfo(
             framework="pytorch",
             framework_version="unknown",

@@ -7,7 +7,12 @@ prefixes. Accepted layouts (docs/format.md, "Sources: PyTorch DCP"):
   with the optimizer dict nested (``state.<fqn>.<state>``, ``param_groups.<i>.<hp>`` with a
   ``params`` list of FQNs) or flattened (``flatten_optimizer_state_dict=True``:
   ``state.<fqn>.<state>``, ``param_groups.<fqn>.<hp>``);
-* torchtitan's: the model's keys at the top level, next to ``"optimizer"``.
+* torchtitan's: the model's keys at the top level, next to ``"optimizer"``;
+* Lightning's (``ModelParallelStrategy.save_checkpoint``): ``{"state_dict": ..., "optimizer_0":
+  ...}`` (its ``meta.pt`` beside the folder holds the loop state);
+* Accelerate's FSDP2 ``save_state``: two folders, ``pytorch_model_fsdp_0/`` (``{"model"}``) and
+  ``optimizer_0/`` (``{"optimizer"}``), read as one key space
+  (:mod:`~ucformat.sources.accelerate`).
 
 ``--model-key``/``--optimizer-key`` name other prefixes (``.`` for the top level). State and
 hyper-parameter names never contain dots, so ``<fqn>.<name>`` splits at its last dot. Pure: no
@@ -18,14 +23,26 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ucformat.errors import NotACheckpointError
+from ucformat.errors import NotACheckpointError, UnsupportedCheckpointError
 
-__all__ = ["TOP_LEVEL", "DcpLayout", "split_layout"]
+__all__ = ["KNOWN_LAYOUTS", "TOP_LEVEL", "DcpLayout", "resembles", "split_layout"]
 
 #: ``--model-key`` value naming the top level (torchtitan's model keys).
 TOP_LEVEL = "."
-_OPTIMIZER_KEYS = ("optimizer", "optim")
-_MODEL_KEY = "model"
+_OPTIMIZER_KEYS = ("optimizer", "optim", "optimizer_0")
+_MODEL_KEYS = ("model", "state_dict")
+#: The framework layouts an unknown layout is compared with: name -> its top-level keys.
+KNOWN_LAYOUTS: dict[str, frozenset[str]] = {
+    "dcp.save of {'model', 'optimizer'} (FSDP2, HF Trainer)": frozenset({"model", "optimizer"}),
+    "{'model', 'optim'}": frozenset({"model", "optim"}),
+    "torchtitan (model keys at the top level + 'optimizer')": frozenset({"optimizer"}),
+    "Lightning ModelParallelStrategy ('state_dict', 'optimizer_0')": frozenset(
+        {"state_dict", "optimizer_0"}
+    ),
+    "Accelerate FSDP2 save_state (pytorch_model_fsdp_0/ 'model', optimizer_0/ 'optimizer')": (
+        frozenset({"model", "optimizer"})
+    ),
+}
 
 
 @dataclass
@@ -60,13 +77,20 @@ def _top_level(keys: list[str]) -> list[str]:
     return sorted({k.split(".", 1)[0] for k in keys})
 
 
+def resembles(top: list[str]) -> list[str]:
+    """The known layouts sharing a top-level key with ``top`` (all of them if none does)."""
+    found = set(top)
+    close = [name for name, known in KNOWN_LAYOUTS.items() if known & found]
+    return close or list(KNOWN_LAYOUTS)
+
+
 def _unknown(where: str, keys: list[str], why: str) -> NotACheckpointError:
-    shown = ", ".join(_top_level(keys)[:12]) or "none"
+    top = _top_level(keys)
+    shown = ", ".join(top[:12]) + (f" (+{len(top) - 12} more)" if len(top) > 12 else "")
     return NotACheckpointError(
-        f"{where}: unknown DCP layout ({why}); top-level keys found: {shown}. Expected "
-        "{'model': ..., 'optimizer' or 'optim': ...} or torchtitan's model keys at the top "
-        "level; pass --model-key KEY and --optimizer-key KEY to name yours ('.' for the top "
-        "level)."
+        f"{where}: unknown DCP layout ({why}); top-level keys found: {shown or 'none'}; known "
+        f"layouts it resembles: {'; '.join(resembles(top))}. Pass --model-key KEY and "
+        "--optimizer-key KEY to name yours ('.' for the top level)."
     )
 
 
@@ -82,23 +106,28 @@ def _optimizer_key(keys: list[str], given: str | None, where: str) -> str | None
 
 
 def _model_key(keys: list[str], tensors: set[str], optim: str | None) -> str | None:
-    """``model`` or the top level: the one holding the FQNs the optimizer state names.
+    """``model``, ``state_dict`` (Lightning) or the top level: the one holding the FQNs the
+    optimizer state names.
 
-    Without optimizer state, ``model`` if it holds tensors. (An HF model saved torchtitan-style
-    has top-level FQNs such as ``model.layers.0...``: the optimizer's FQNs tell them apart.)
+    Without optimizer state, the first of ``model``, ``state_dict`` that holds tensors. (An HF
+    model saved torchtitan-style has top-level FQNs such as ``model.layers.0...``: the
+    optimizer's FQNs tell them apart.)
     """
-    nested = [k for k in _under(keys, _MODEL_KEY) if k in tensors]
     owners = {
         k[len(f"{optim}.state.") :].rpartition(".")[0]
         for k in keys
         if optim and k.startswith(f"{optim}.state.")
     }
-    if owners:
-        if owners <= {k[len(_MODEL_KEY) + 1 :] for k in nested}:
-            return _MODEL_KEY
-        if owners <= tensors:
-            return TOP_LEVEL
-    return _MODEL_KEY if nested else None
+    holding = []
+    for name in _MODEL_KEYS:
+        nested = [k for k in _under(keys, name) if k in tensors]
+        if owners and owners <= {k[len(name) + 1 :] for k in nested}:
+            return name
+        if nested:
+            holding.append(name)
+    if owners and owners <= tensors:
+        return TOP_LEVEL
+    return holding[0] if holding else None
 
 
 def split_layout(
@@ -143,6 +172,33 @@ def split_layout(
     return layout
 
 
+def _fused_siblings(owner: str, params: dict[str, str]) -> list[str]:
+    """Weights that ``owner`` fuses: ``a.wq.weight``, ``a.wk.weight``, ``a.wv.weight`` for
+    ``a.wqkv.weight`` (same parent and leaf, module names ``<p><s1>``, ``<p><s2>``, ... whose
+    suffixes, in saving order, spell the owner's ``<p><s1><s2>...``)."""
+    parent, _, rest = owner.rpartition(".")
+    module_path, _, leaf = parent.rpartition(".")
+    fused = leaf
+    siblings = [
+        name
+        for name in params
+        if name.rpartition(".")[2] == rest
+        and name.rpartition(".")[0].rpartition(".")[0] == module_path
+    ]
+    modules = [name.rpartition(".")[0].rpartition(".")[2] for name in siblings]
+    for cut in range(1, len(fused)):
+        stem, left = fused[:cut], fused[cut:]
+        parts = []
+        for index, module in enumerate(modules):
+            suffix = module[cut:]
+            if module.startswith(stem) and suffix and left.startswith(suffix):
+                parts.append(siblings[index])
+                left = left[len(suffix) :]
+        if len(parts) > 1 and not left:
+            return parts
+    return []
+
+
 def _optimizer_entry(
     layout: DcpLayout, key: str, rest: str, kinds: set[str], where: str, keys: list[str]
 ) -> None:
@@ -150,6 +206,15 @@ def _optimizer_entry(
     owner, _, name = body.rpartition(".")
     if section == "state" and owner:
         if owner not in layout.params:
+            fused = _fused_siblings(owner, layout.params)
+            if fused:
+                raise UnsupportedCheckpointError(
+                    f"{where}: the weights are saved split ({', '.join(fused)}) but the optimizer "
+                    f"state is under the fused '{owner}' (torchtitan's fuse_qkv state-dict hook: "
+                    "the fused rows interleave per KV head, which the checkpoint does not record); "
+                    "save the checkpoint with the fused weights (the model's own state_dict, no "
+                    "split hook) or without fuse_qkv, then convert it."
+                )
             raise NotACheckpointError(
                 f"{where}: optimizer state '{key}' belongs to '{owner}', which is not a weight of "
                 f"the model section '{layout.model_key}'"

@@ -88,7 +88,8 @@ class DcpMetadata:
     @property
     def world_size(self) -> int:
         """Ranks that wrote data files (``__<rank>_<n>.distcp``); 1 if the names say nothing."""
-        ranks = [int(m.group(1)) for m in map(_DATA_FILE.match, self.data_files) if m]
+        names = [name.rpartition("/")[2] for name in self.data_files]  # merged folders: sub/__r_n
+        ranks = [int(m.group(1)) for m in map(_DATA_FILE.match, names) if m]
         return max(ranks, default=0) + 1
 
 

@@ -6,11 +6,17 @@ from __future__ import annotations
 from pathlib import Path
 
 from ucformat.errors import UnsupportedCheckpointError
+from ucformat.sources.accelerate import (
+    accelerate_model_index,
+    is_accelerate_folder,
+    read_accelerate_state,
+)
 from ucformat.sources.base import SourceCheckpoint
 from ucformat.sources.dcp import is_dcp_folder, read_dcp_checkpoint
 from ucformat.sources.deepspeed.checkpoint import read_deepspeed_checkpoint
 from ucformat.sources.megatron import is_megatron_folder, read_megatron_checkpoint
 from ucformat.sources.safe_unpickle import PicklePolicy
+from ucformat.sources.unwrap import unwrap_names
 
 __all__ = ["read_source"]
 
@@ -24,10 +30,13 @@ def read_source(
     optimizer_key: str | None = None,
     check_crc: bool = True,
 ) -> SourceCheckpoint:
-    """Open ``src`` with the reader its files call for (a ``.metadata`` file means DCP).
+    """Open ``src`` with the reader its files call for (a ``.metadata`` file means DCP; a
+    ``pytorch_model_fsdp_0/`` DCP folder in it, an Accelerate FSDP2 ``save_state`` folder).
 
     ``check_crc``: checksum DeepSpeed shard files' tensor bytes as they are read (their zip
-    CRC-32; DCP items are not checked this way yet).
+    CRC-32; DCP items are not checked this way yet). Names are the model's own: wrapper
+    components (``_checkpoint_wrapped_module.``, ``_orig_mod.``, ``_fsdp_wrapped_module.``) are
+    dropped (:mod:`ucformat.sources.unwrap`).
 
     Raises:
         UnsupportedCheckpointError: an option of one format was given for the other.
@@ -35,18 +44,30 @@ def read_source(
     """
     if is_megatron_folder(src) and model_key is None and optimizer_key is None and tag is None:
         return read_megatron_checkpoint(src, policy=policy)  # a DCP folder with Megatron's keys
+    index = accelerate_model_index(src)
+    if index is not None and tag is None and model_key is None and optimizer_key is None:
+        return unwrap_names(read_accelerate_state(Path(src).parent, index=index, policy=policy))
     if is_dcp_folder(src):
         if tag is not None:
             raise UnsupportedCheckpointError(
                 f"{src}: is a PyTorch Distributed Checkpoint folder; --tag applies to DeepSpeed "
                 "run folders only."
             )
-        return read_dcp_checkpoint(
-            src, model_key=model_key, optimizer_key=optimizer_key, policy=policy
+        return unwrap_names(
+            read_dcp_checkpoint(
+                src, model_key=model_key, optimizer_key=optimizer_key, policy=policy
+            )
         )
+    if is_accelerate_folder(src):  # Accelerate FSDP2 save_state: model + optimizer DCP folders
+        if tag is not None or model_key is not None or optimizer_key is not None:
+            raise UnsupportedCheckpointError(
+                f"{src}: is an Accelerate save_state folder; --tag, --model-key and "
+                "--optimizer-key do not apply (convert its DCP folders one by one to use them)."
+            )
+        return unwrap_names(read_accelerate_state(src, policy=policy))
     if model_key is not None or optimizer_key is not None:
         raise UnsupportedCheckpointError(
             f"{src}: has no DCP .metadata file; --model-key/--optimizer-key apply to PyTorch "
             "Distributed Checkpoint folders only."
         )
-    return read_deepspeed_checkpoint(src, tag, policy, check_crc=check_crc)
+    return unwrap_names(read_deepspeed_checkpoint(src, tag, policy, check_crc=check_crc))

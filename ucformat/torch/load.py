@@ -36,6 +36,7 @@ import torch
 
 from ucformat.errors import ModelMismatchError, UnsupportedExportError
 from ucformat.format.models import ArrayRef, CheckpointManifest
+from ucformat.format.names import model_name
 from ucformat.format.pyvalue import decode
 from ucformat.format.spec import BUFFER_STATE, FP32_STATE, STEP_STATE, VALUE_STATE
 from ucformat.read.checkpoint import UniversalCheckpoint, open_checkpoint, scalar_value
@@ -187,7 +188,15 @@ def _check_model(
 
 
 def _live_names(model: torch.nn.Module) -> dict[int, str]:
-    return {id(p): name for name, p in model.named_parameters()}
+    return {id(p): model_name(name) for name, p in model.named_parameters()}
+
+
+def _live_keys(model: torch.nn.Module, saved: OrderedDict[str, torch.Tensor]) -> None:
+    """Rename ``saved``'s entries to the live model's names (wrapper components included)."""
+    live = {model_name(key): key for key in model.state_dict()}
+    renamed = [(live.get(model_name(key), key), value) for key, value in saved.items()]
+    saved.clear()
+    saved.update(renamed)
 
 
 def _check_optimizer(
@@ -263,6 +272,7 @@ def load(
         return report
     started, before = time.perf_counter(), ckpt.stats.bytes_read
     saved = model_state_dict(ckpt)
+    _live_keys(model, saved)  # a checkpoint-wrapped or compiled model's names (format/names.py)
     _check_model(model, saved, strict, report)
     optimizer_sd = None
     if optimizer is not None:

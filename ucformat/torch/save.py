@@ -45,6 +45,7 @@ from ucformat.format.models import (
     SourceInfo,
     TrainingProgress,
 )
+from ucformat.format.names import model_name, model_named
 from ucformat.format.pyvalue import encode, try_encode
 from ucformat.format.spec import (
     FP32_STATE,
@@ -223,12 +224,12 @@ _Description = tuple[dict[str, SourceParam], dict[str, _Array], list[_Array], di
 
 def _describe(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> _Description:
     """Params, buffers, arrays and tied names of the live model (no I/O)."""
-    params = dict(model.named_parameters())
+    params = model_named(model.named_parameters(), "the model's parameters")  # format/names.py
     tied: dict[str, str] = {}
     by_id = {id(p): n for n, p in params.items()}
     for name, param in model.named_parameters(remove_duplicate=False):
-        if name not in params:
-            tied[name] = by_id[id(param)]
+        if model_name(name) not in params:
+            tied[model_name(name)] = by_id[id(param)]
     group_of: dict[int, int] = {}
     if optimizer is not None:
         for index, members in enumerate(optimizer.param_groups):
@@ -268,7 +269,7 @@ def _describe(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -
                 source.scalars[key] = scalar_state(value, f"optimizer state '{key}' of '{name}'")
         out[name] = source
     buffers: dict[str, _Array] = {}
-    for name, buffer in persistent_buffers(model).items():
+    for name, buffer in model_named(persistent_buffers(model).items(), "buffers").items():
         shard = local_shard(name, buffer)
         item = _array(buffer_array_path(name), shard, shard.local, dtype_name(buffer.dtype))
         buffers[name] = item
@@ -449,7 +450,7 @@ def _plan(
             layouts[array.path] = aligned_chunking(array.shape, itemsize(array.dtype), policy, rows)
     info = None
     if optimizer is not None:
-        names = {id(p): n for n, p in model.named_parameters()}
+        names = {id(p): model_name(n) for n, p in model.named_parameters()}
         name, adam_w = _optimizer_name(optimizer)
         state_keys = sorted(
             {k for p in params.values() if p.group is not None for k in p.arrays if k != FP32_STATE}

@@ -32,6 +32,7 @@ from ucformat.errors import (
 )
 from ucformat.format.dtypes import itemsize
 from ucformat.format.models import CheckpointManifest
+from ucformat.format.names import model_named
 from ucformat.format.pyvalue import decode
 from ucformat.format.spec import FP32_STATE, STEP_STATE
 from ucformat.read.checkpoint import BUFFER_STATE, UniversalCheckpoint, scalar_value
@@ -185,8 +186,8 @@ def load_sharded(
     started = time.perf_counter()
     before = ckpt.stats.bytes_read
     manifest = ckpt.manifest
-    params = dict(model.named_parameters())
-    buffers = persistent_buffers(model)
+    params = model_named(model.named_parameters(), "the model's parameters")  # format/names.py
+    buffers = model_named(persistent_buffers(model).items(), "buffers")
     _check_model(manifest, params, buffers, strict, report)
     names = {id(p): n for n, p in params.items()}
     groups = _match_groups(manifest, optimizer, names, strict) if optimizer is not None else []
