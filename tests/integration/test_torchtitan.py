@@ -28,10 +28,7 @@ from ucformat_cli.main import app
 
 import ucformat
 import ucformat.torch
-
-pytest.importorskip("torchtitan", reason="needs the torchtitan extra (docs/torchtitan.md)")
-
-from tests.fixtures.torchtitan_cases import (  # noqa: E402
+from tests.fixtures.torchtitan_cases import (
     RUNS,
     STEPS,
     generate_torchtitan,
@@ -39,6 +36,9 @@ from tests.fixtures.torchtitan_cases import (  # noqa: E402
     step_dir,
     truth_path,
 )
+
+pytestmark = pytest.mark.torchtitan
+pytest.importorskip("torchtitan", reason="needs the torchtitan extra (docs/torchtitan.md)")
 
 WRAPPER = "_checkpoint_wrapped_module."
 RESUME_WORLD = 3
@@ -86,6 +86,7 @@ def test_unfused_store_holds_the_gathered_state(folder: Path, store: Path) -> No
     names = {k.removeprefix("sd."): v for k, v in truth.items() if k.startswith("sd.")}
     assert set(manifest.params) == set(names)  # the model's own names, no wrapper
     assert not any(WRAPPER in n for n in manifest.params)
+    assert manifest.progress.global_steps == STEPS  # torchtitan's train_state.step
     for name, value in names.items():
         assert _same(ckpt.read(name, "fp32"), value), name
         param = next(k for k in truth if k.startswith("param.") and
