@@ -32,6 +32,7 @@ from tests.fixtures.torchtitan_cases import (
     RUNS,
     STEPS,
     generate_torchtitan,
+    live_store,
     resume_torchtitan,
     step_dir,
     truth_path,
@@ -99,9 +100,8 @@ def test_unfused_store_holds_the_gathered_state(folder: Path, store: Path) -> No
 @pytest.fixture(scope="module")
 def resumed(folder: Path, store: Path, tmp_path_factory: pytest.TempPathFactory) -> Any:
     out = tmp_path_factory.mktemp("torchtitan-resume")
-    return torch.load(
-        resume_torchtitan(store, "unfused", out, RESUME_WORLD, folder), weights_only=True
-    )
+    dump = resume_torchtitan(store, "unfused", out, RESUME_WORLD, folder)
+    return {**torch.load(dump, weights_only=True), "live": live_store(out, "unfused")}
 
 
 def test_resumes_in_torchtitan_at_another_world_size_then_trains(
@@ -115,6 +115,22 @@ def test_resumes_in_torchtitan_at_another_world_size_then_trains(
     assert moved and all(torch.isfinite(after[k]).all() for k in moved)
     steps = [after[k] for k in after if k.endswith(".step")]
     assert steps and all(float(s) == STEPS + 1 for s in steps)
+
+
+def test_live_save_of_the_wrapped_model_has_the_models_names(
+    folder: Path, store: Path, resumed: dict[str, Any]
+) -> None:
+    """``ucformat.torch.save`` from torchtitan's checkpoint-wrapped FSDP2 model at W=3: the
+    store has the converted store's names (no wrapper) and the state the job held."""
+    live = ucformat.open(resumed["live"])
+    assert set(live.manifest.params) == set(ucformat.open(store).manifest.params)
+    after = resumed["after"]
+    for key, value in after.items():
+        if key.startswith("param."):
+            name = key.removeprefix("param.").replace(WRAPPER, "")
+            assert _same(live.read(name, "fp32"), value), name
+            optim = f"optim.{key.removeprefix('param.')}.exp_avg"
+            assert _same(live.read(name, "exp_avg"), after[optim]), name
 
 
 def test_loads_into_a_plain_torchtitan_model(folder: Path, store: Path) -> None:
