@@ -42,7 +42,6 @@ from ucformat.format.models import (
     ScalarState,
     SourceFile,
     SourceInfo,
-    TrainingProgress,
 )
 from ucformat.format.pyvalue import describe_type, encode, try_encode
 from ucformat.format.spec import FP32_STATE, VALUE_STATE
@@ -64,6 +63,7 @@ from ucformat.sources.dcp_metadata import (
 )
 from ucformat.sources.safe_unpickle import PicklePolicy
 from ucformat.sources.torchfile import TensorRef, TorchFile, open_embedded_torch_file
+from ucformat.sources.torchtitan import training_progress
 
 __all__ = ["BUFFER_NAMES", "DcpItems", "is_dcp_folder", "read_dcp_checkpoint"]
 
@@ -259,14 +259,15 @@ class _Reader:
             for state, state_key in states.items():
                 self._add_state(param, name, state, state_key)
             params[name] = param
+        client_state = self._client_state(layout.other)
         return SourceCheckpoint(
             source=self._source_info(params),
             params=params,
             buffers=buffers,
             tied={},
             optimizer=_optimizer_info(params, groups) if layout.optimizer_key else None,
-            progress=TrainingProgress(),
-            client_state=self._client_state(layout.other),
+            progress=training_progress(client_state.values),
+            client_state=client_state,
             files=list(self.handles),
             closers=[self.close_descriptors],
         )
