@@ -69,7 +69,7 @@ def test_existing_store_is_refused_in_one_process_with_its_own_error(tmp_path: P
     ucformat.convert(SOURCE, target)
     with read_deepspeed_checkpoint(SOURCE) as source:
         plan = plan_convert(source, convert_options())
-        with pytest.raises(StoreExistsError, match="--overwrite"):
+        with pytest.raises(StoreExistsError, match="overwrite=True"):
             write_spread(
                 plan, open_store(target, read_only=False), writers=[0] * len(plan.units),
                 group=ALONE, where=str(target),

@@ -9,16 +9,14 @@ has in a model with ``ep_size`` 1, e.g.
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
+
+from ucformat.format.base import ManifestModel
 
 __all__ = ["ExpertLayer", "ExpertLayout"]
 
 
-class _Model(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class ExpertLayer(_Model):
+class ExpertLayer(ManifestModel):
     """One MoE layer: ``num_experts`` experts, each with the same parameters ``params``."""
 
     layer: int = Field(ge=0, description="MoE layer index (DeepSpeed's layer_{L}_expert_* files).")
@@ -28,7 +26,7 @@ class ExpertLayer(_Model):
     gate: str | None = Field(default=None, description="The layer's router weight, if stored.")
 
 
-class ExpertLayout(_Model):
+class ExpertLayout(ManifestModel):
     """The expert-parallel layout of the source and its MoE layers."""
 
     kind: str = Field(default="deepspeed-moe", description="Only 'deepspeed-moe' so far.")

@@ -17,7 +17,9 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, JsonValue
+from pydantic import Field, JsonValue
+
+from ucformat.format.base import ManifestModel
 
 __all__ = [
     "MegatronChunk",
@@ -27,11 +29,7 @@ __all__ = [
 ]
 
 
-class _Model(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class MegatronChunk(_Model):
+class MegatronChunk(ManifestModel):
     """A box of the parameter one source rank wrote (in the parameter's own coordinates)."""
 
     rank: int = Field(ge=0, description="The rank whose data file holds the box.")
@@ -39,7 +37,7 @@ class MegatronChunk(_Model):
     sizes: list[int]
 
 
-class MegatronFused(_Model):
+class MegatronFused(ManifestModel):
     """How a fused parameter's dim 0 splits into its parts (all at TP=1, the stored shape).
 
     ``qkv``: ``num_query_groups`` blocks of ``(heads_per_group + 2) * head_dim`` rows, each the
@@ -59,7 +57,7 @@ class MegatronFused(_Model):
     sizes: list[int] | None = Field(default=None, description="gate_up: rows of each half.")
 
 
-class MegatronParam(_Model):
+class MegatronParam(ManifestModel):
     """Where one stored parameter came from."""
 
     key: str = Field(description="The ShardedTensor key in the checkpoint.")
@@ -70,7 +68,7 @@ class MegatronParam(_Model):
     fused: MegatronFused | None = None
 
 
-class MegatronLayout(_Model):
+class MegatronLayout(ManifestModel):
     """A Megatron-Core ``dist_checkpointing`` source (``manifest.megatron``)."""
 
     sharded_backend: str = Field(description="metadata.json's sharded_backend ('torch_dist').")

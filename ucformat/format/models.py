@@ -17,18 +17,16 @@ are kept exact with the tagged encoding of :mod:`ucformat.format.pyvalue`; such 
 from __future__ import annotations
 
 import math
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
 from pydantic import (
-    BaseModel,
-    ConfigDict,
     Field,
     JsonValue,
-    ValidationInfo,
     field_validator,
     model_validator,
 )
 
+from ucformat.format.base import IGNORE_UNKNOWN, ManifestModel
 from ucformat.format.bounds import (
     array_shape_problem,
     component_problem,
@@ -71,34 +69,13 @@ DTypeName = Literal[
 FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
 
 
-#: Validation context for a manifest of a newer minor version: unknown members are ignored.
-IGNORE_UNKNOWN: dict[str, bool] = {"ignore_unknown_members": True}
-
-
 def _refuse(problem: str | None) -> None:
     """Fail validation with ``problem`` (docs/format.md §2.4, §3.8), if any."""
     if problem is not None:
         raise ValueError(problem)
 
 
-class _Model(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _drop_unknown_members(cls, data: Any, info: ValidationInfo) -> Any:
-        context = info.context
-        if (
-            isinstance(data, dict)
-            and isinstance(context, dict)
-            and context.get("ignore_unknown_members")
-        ):
-            known = {field.alias or name for name, field in cls.model_fields.items()}
-            return {key: value for key, value in data.items() if key in known}
-        return data
-
-
-class ArrayRef(_Model):
+class ArrayRef(ManifestModel):
     """One zarr array of the store: where a state's values live and how they are chunked."""
 
     path: str = Field(description="Array path relative to the store root, e.g. 'params/w/fp32'.")
@@ -119,7 +96,7 @@ class ArrayRef(_Model):
         return self
 
 
-class ScalarState(_Model):
+class ScalarState(ManifestModel):
     """A 0-d optimizer state (e.g. Adam's ``step``), kept in the manifest with its original type."""
 
     kind: Literal["int", "float", "bool", "tensor"] = Field(
@@ -129,7 +106,7 @@ class ScalarState(_Model):
     dtype: DTypeName | None = Field(default=None, description="Tensor dtype when kind is 'tensor'.")
 
 
-class ParamEntry(_Model):
+class ParamEntry(ManifestModel):
     """A model parameter: its identity, training metadata and the arrays holding its states."""
 
     shape: list[int]
@@ -160,7 +137,7 @@ class ParamEntry(_Model):
         return math.prod(self.shape)
 
 
-class BufferEntry(_Model):
+class BufferEntry(ManifestModel):
     """A persistent module buffer (e.g. BatchNorm running stats), stored in its own dtype."""
 
     shape: list[int]
@@ -174,7 +151,7 @@ class BufferEntry(_Model):
         return value
 
 
-class OptimizerGroup(_Model):
+class OptimizerGroup(ManifestModel):
     """One optimizer param group: hyper-parameters and members in flattening order."""
 
     params: list[str]
@@ -183,7 +160,7 @@ class OptimizerGroup(_Model):
     )
 
 
-class OptimizerInfo(_Model):
+class OptimizerInfo(ManifestModel):
     """The optimizer whose state the store holds."""
 
     name: str = Field(description="Best knowledge of the optimizer class, e.g. 'FusedAdam'.")
@@ -195,7 +172,7 @@ class OptimizerInfo(_Model):
     groups: list[OptimizerGroup]
 
 
-class LossScaler(_Model):
+class LossScaler(ManifestModel):
     """fp16 loss-scaler state (static scalers are recorded too, with scale 1.0)."""
 
     class_name: str
@@ -204,7 +181,7 @@ class LossScaler(_Model):
     attributes: dict[str, JsonValue]
 
 
-class TrainingProgress(_Model):
+class TrainingProgress(ManifestModel):
     """Counters and small training-loop state."""
 
     global_steps: int = 0
@@ -217,7 +194,7 @@ class TrainingProgress(_Model):
     clip_grad: FiniteFloat | None = None
 
 
-class ClientState(_Model):
+class ClientState(ManifestModel):
     """The client state saved with the checkpoint."""
 
     values: dict[str, JsonValue] = Field(
@@ -228,7 +205,7 @@ class ClientState(_Model):
     )
 
 
-class SourceFile(_Model):
+class SourceFile(ManifestModel):
     """A file of the source checkpoint."""
 
     name: str
@@ -241,7 +218,7 @@ class SourceFile(_Model):
         return value
 
 
-class SourceInfo(_Model):
+class SourceInfo(ManifestModel):
     """Provenance: what wrote the state the store holds.
 
     ``framework`` names the training framework, ``written_by`` how the store was made:
@@ -300,7 +277,7 @@ class SourceInfo(_Model):
         return f"{what}, world size {self.world_size}, {self.train_dtype} ({how})"
 
 
-class CheckpointManifest(_Model):
+class CheckpointManifest(ManifestModel):
     """Root of ``ucformat.json``."""
 
     format: Literal["ucformat"] = FORMAT_NAME

@@ -9,34 +9,14 @@ held what. They are referenced from :class:`ucformat.format.models.SourceInfo` b
 
 from __future__ import annotations
 
-from typing import Any
+from pydantic import Field
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, model_validator
+from ucformat.format.base import ManifestModel
 
 __all__ = ["PipelineLayout", "PipelineStage"]
 
 
-class _PipelineModel(BaseModel):
-    """Same contract as the other manifest models: frozen, unknown members refused unless the
-    validation context says ``ignore_unknown_members`` (a newer minor version)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _drop_unknown_members(cls, data: Any, info: ValidationInfo) -> Any:
-        context = info.context
-        if (
-            isinstance(data, dict)
-            and isinstance(context, dict)
-            and context.get("ignore_unknown_members")
-        ):
-            known = {field.alias or name for name, field in cls.model_fields.items()}
-            return {key: value for key, value in data.items() if key in known}
-        return data
-
-
-class PipelineStage(_PipelineModel):
+class PipelineStage(ManifestModel):
     """What one pipeline stage held."""
 
     layers: list[int] = Field(
@@ -48,7 +28,7 @@ class PipelineStage(_PipelineModel):
     )
 
 
-class PipelineLayout(_PipelineModel):
+class PipelineLayout(ManifestModel):
     """The pipeline a store's state was trained with."""
 
     stages: list[PipelineStage] = Field(min_length=1, description="One entry per stage.")

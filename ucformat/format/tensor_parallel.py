@@ -12,31 +12,16 @@ in words when it is a plain split, and the writer checks that the two agree.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, model_validator
+from pydantic import Field, model_validator
+
+from ucformat.format.base import ManifestModel
 
 __all__ = ["AffinePiece", "ParamSplit", "RankShard", "SubParam", "TensorParallelInfo"]
 
 
-class _Model(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _drop_unknown_members(cls, data: Any, info: ValidationInfo) -> Any:
-        context = info.context
-        if (
-            isinstance(data, dict)
-            and isinstance(context, dict)
-            and context.get("ignore_unknown_members")
-        ):
-            known = {field.alias or name for name, field in cls.model_fields.items()}
-            return {key: value for key, value in data.items() if key in known}
-        return data
-
-
-class AffinePiece(_Model):
+class AffinePiece(ManifestModel):
     """A block of elements: ``shard.as_strided(shape, dest_strides, dest_offset)`` equals
     ``logical.as_strided(shape, source_strides, source_offset)`` (both row-major, offsets and
     strides in elements)."""
@@ -48,7 +33,7 @@ class AffinePiece(_Model):
     dest_strides: list[int]
 
 
-class RankShard(_Model):
+class RankShard(ManifestModel):
     """What one tensor-parallel rank held of a parameter."""
 
     shard_shape: list[int] = Field(description="Shape of the tensor the rank held.")
@@ -57,14 +42,14 @@ class RankShard(_Model):
     )
 
 
-class SubParam(_Model):
+class SubParam(ManifestModel):
     """One sub-parameter of a fused parameter (e.g. q, k, v of a fused QKV), along ``dim``."""
 
     size: int = Field(ge=0, description="Its extent along the split dim in the logical tensor.")
     widths: list[int] = Field(description="Per tensor-parallel rank: its extent in that shard.")
 
 
-class ParamSplit(_Model):
+class ParamSplit(ManifestModel):
     """How one parameter was spread over the tensor-parallel ranks.
 
     ``replicated``: every rank held the whole tensor (checked equal at convert time).
@@ -92,7 +77,7 @@ class ParamSplit(_Model):
     shards: list[RankShard] = Field(description="Per tensor-parallel rank, in rank order.")
 
 
-class TensorParallelInfo(_Model):
+class TensorParallelInfo(ManifestModel):
     """The source's tensor-parallel layout (absent: no tensor parallelism)."""
 
     framework: Literal["deepspeed-autotp"] = Field(

@@ -212,8 +212,8 @@ def _optimizer_entry(
                     f"{where}: the weights are saved split ({', '.join(fused)}) but the optimizer "
                     f"state is under the fused '{owner}' (torchtitan's fuse_qkv state-dict hook: "
                     "the fused rows interleave per KV head, which the checkpoint does not record); "
-                    "save the checkpoint with the fused weights (the model's own state_dict, no "
-                    "split hook) or without fuse_qkv, then convert it."
+                    "resume the run in torchtitan and save it with ucformat.torch.save (the live "
+                    "model holds the fused weights), or train with fuse_qkv=False."
                 )
             raise NotACheckpointError(
                 f"{where}: optimizer state '{key}' belongs to '{owner}', which is not a weight of "

@@ -28,8 +28,9 @@ from ucformat.errors import (
     NotAStoreError,
     UnsupportedVersionError,
 )
+from ucformat.format.base import IGNORE_UNKNOWN
 from ucformat.format.jcs import canonicalize
-from ucformat.format.models import IGNORE_UNKNOWN, CheckpointManifest
+from ucformat.format.models import CheckpointManifest
 from ucformat.format.spec import FORMAT_NAME, FORMAT_VERSION, KNOWN_MINOR, MANIFEST_KEY
 from ucformat.store.durable import sync_tree, write_file_durably
 from ucformat.store.locations import existing_store_directory, local_directory
