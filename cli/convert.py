@@ -168,7 +168,11 @@ def convert_command(
             workers=workers or DEFAULT_WORKERS,
             opaque_globals=opaque_global or (),
             check_source=not no_check_source,
-            hooks=ConvertHooks(on_plan=on_plan, on_bytes=lambda n: bar.advance(task, n)),
+            hooks=ConvertHooks(
+                on_plan=on_plan,
+                on_bytes=lambda n: bar.advance(task, n),
+                on_phase=lambda phase: bar.update(task, description=phase),
+            ),
             model_key=model_key,
             optimizer_key=optimizer_key,
         )

@@ -216,6 +216,7 @@ def verify(
             )
             foreign = _foreign_source(manifest, source.plan.manifest, against)
             differences = [] if foreign else manifest_differences(manifest, source.plan.manifest)
+            differences.sort(key=lambda d: not d.startswith("'source."))  # provenance first
             if foreign is not None:  # another checkpoint: one line, not every field of both
                 report.add("source", MANIFEST_KEY, foreign)
                 source = None  # the store's own checks still run

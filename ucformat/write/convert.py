@@ -36,6 +36,8 @@ class ConvertHooks:
 
     on_plan: Callable[[ConvertPlan], None] | None = None
     on_bytes: Callable[[int], None] | None = None
+    #: Called with what happens next once every byte is written (the source check, the commit).
+    on_phase: Callable[[str], None] | None = None
 
 
 def plan_from_source(
@@ -133,7 +135,11 @@ def convert(
             with store_writes(store, "writing the arrays"):
                 arrays = create_arrays(store, plan)
                 write_units(plan, arrays, plan.units, workers=workers, progress=hooks.on_bytes)
+            if hooks.on_phase is not None:
+                hooks.on_phase("checking the source's CRC-32s")
             source.check_integrity()  # before the commit: a damaged source never looks complete
+            if hooks.on_phase is not None:
+                hooks.on_phase("committing (fsync of every object)" if fsync else "committing")
             return commit_manifest(store, plan.manifest, durable=fsync)
         except BaseException:
             discard_store(store, created)
