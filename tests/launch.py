@@ -18,6 +18,7 @@ This module imports neither torch nor DeepSpeed.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import signal
@@ -221,3 +222,27 @@ def run_batches(
 def read_results(jobs: Iterable[Mapping[str, Any]], key: str = "result") -> list[Any]:
     """Each job's result document (the JSON file its ``key`` names), in order."""
     return [json.loads(Path(job[key]).read_text()) for job in jobs]
+
+
+def grid_cli(
+    argv: Sequence[str] | None,
+    description: str,
+    run: Callable[[str | None, Path, Path], Mapping[str, Mapping[str, Any]]],
+    accepted: Callable[[Mapping[str, Any]], bool] = lambda result: not result["failures"],
+) -> int:
+    """The command line of a fixture runner: ``--grid DIR --work DIR [--only SUBSTRING]``.
+
+    ``run(only, grid, work)`` returns each case's result; a case whose result is not
+    ``accepted`` has its ``failures`` printed. Exit status 1 if any case failed.
+    """
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--grid", type=Path, required=True, help="generated fixture grid")
+    parser.add_argument("--work", type=Path, required=True, help="scratch folder")
+    parser.add_argument("--only", help="only cases whose name contains this substring")
+    args = parser.parse_args(argv)
+    results = run(args.only, args.grid, args.work)
+    bad = {name: r["failures"] for name, r in results.items() if not accepted(r)}
+    for name, failures in bad.items():
+        print(f"FAIL {name}:\n  " + "\n  ".join(failures))
+    print(f"{len(results) - len(bad)} passed, {len(bad)} failed")
+    return 1 if bad else 0
