@@ -72,6 +72,14 @@ def convert_command(
         int | None, typer.Option(help="Shard target in MiB (object size).", min=1)
     ] = None,
     compress: Annotated[str, typer.Option(help="Chunk compression: none or zstd.")] = "none",
+    tp_max: Annotated[
+        int | None,
+        typer.Option(
+            help="Largest tensor-parallel degree loads stay lean at: matrices of 1 MiB or more "
+            "get box chunks of columns/TP_MAX columns [default: 8]; 1: flat chunks only.",
+            min=1,
+        ),
+    ] = None,
     workers: Annotated[
         int | None,
         typer.Option(help="Threads writing shards [default: CPU count, at most 4].", min=1),
@@ -131,8 +139,9 @@ def convert_command(
         )
     if distributed and not dry_run:
         _convert_distributed(
-            src, dst, tag, overwrite, chunk_kib, shard_mib, compress, workers, opaque_global
-        )
+            src, dst, tag, overwrite, chunk_kib, shard_mib, compress, workers, opaque_global,
+            tp_max,
+        )  # fmt: skip
         return
 
     if compress not in ("none", "zstd"):
@@ -175,6 +184,7 @@ def convert_command(
             ),
             model_key=model_key,
             optimizer_key=optimizer_key,
+            tp_max=tp_max,
         )
         _COMMITTED.append(not dry_run)
     plan = planned[0]
@@ -212,6 +222,7 @@ def _convert_distributed(
     compress: str,
     workers: int | None,
     opaque_global: list[str] | None,
+    tp_max: int | None = None,
 ) -> None:
     """One process of ``torchrun -m ucformat_cli convert``: rank 0 prints the summary."""
     from ucformat.write.distributed_convert import convert_distributed
@@ -228,6 +239,7 @@ def _convert_distributed(
         compressor=compress,
         workers=workers or DEFAULT_WORKERS,
         opaque_globals=opaque_global or (),
+        tp_max=tp_max,
     )
     if report.committed and report.manifest is not None:
         source = report.manifest.source

@@ -111,7 +111,7 @@ def test_every_unit_has_one_writer_and_aligned_layouts_need_no_transfers(
 
 
 def test_aligned_chunking_examples() -> None:
-    policy = ChunkPolicy()
+    policy = ChunkPolicy(tp_max=1)  # flat-contiguous chunks
     # 1024 x 1024 fp32 at 2 ranks: 16-row chunks, shards end on the 512-row boundary.
     assert aligned_chunking((1024, 1024), 4, policy, [0, 512]).shard_shape == (512, 1024)
     # at 3 ranks (342-row shards) the chunks shrink to 9 rows, a divisor of 342.
@@ -121,3 +121,6 @@ def test_aligned_chunking_examples() -> None:
     assert aligned_chunking((1024, 1024), 4, policy, [0, 509]) == choose_chunking(
         (1024, 1024), 4, policy
     )
+    # box chunks (8, 128): their rows shrink to 6, shards are 342 whole rows.
+    boxed = aligned_chunking((1024, 1024), 4, ChunkPolicy(), [0, 342, 684])
+    assert boxed.chunk_shape == (6, 128) and boxed.shard_shape == (342, 1024)

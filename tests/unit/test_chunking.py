@@ -1,4 +1,4 @@
-"""Chunk and shard shapes are flat-contiguous and consistent."""
+"""Chunk and shard shapes are flat-contiguous (box chunks: whole rows of them) and consistent."""
 
 from __future__ import annotations
 
@@ -6,7 +6,13 @@ from math import prod
 
 import pytest
 
-from ucformat.layout.chunking import ChunkPolicy, choose_chunking, flat_block_shape
+from ucformat.layout.chunking import (
+    ChunkPolicy,
+    box_chunk_shape,
+    choose_chunking,
+    flat_block_shape,
+    is_flat_chunking,
+)
 
 
 def is_flat_contiguous(block: tuple[int, ...], shape: tuple[int, ...]) -> bool:
@@ -24,8 +30,14 @@ def test_chunking_invariants(shape: tuple[int, ...], policy: ChunkPolicy) -> Non
     chunk, shard = chunking.chunk_shape, chunking.shard_shape
     assert len(chunk) == len(shard) == len(shape)
     assert all(s % c == 0 for s, c in zip(shard, chunk, strict=True))
-    assert is_flat_contiguous(chunk, shape)
-    assert is_flat_contiguous(shard, shape)
+    box = box_chunk_shape(shape, 4, policy)
+    assert is_flat_contiguous(chunk, shape) == (box is None or box[0] == 1)
+    assert is_flat_chunking(shape, chunk) == is_flat_contiguous(chunk, shape)
+    if box is not None:
+        assert chunk == box and chunk[1] <= -(-shape[1] // policy.tp_max)
+    if box is not None and box[0] > 1:  # whole rows of box chunks
+        assert chunk[1] == -(-shape[1] // policy.tp_max) and shard[1] >= shape[1]
+    assert is_flat_contiguous(tuple(min(s, d) for s, d in zip(shard, shape, strict=True)), shape)
     assert prod(chunk) <= max(1, policy.chunk_bytes // 4)
     assert prod(shard) >= prod(chunk)
 
@@ -41,3 +53,31 @@ def test_chunk_targets() -> None:
 def test_policy_validation() -> None:
     with pytest.raises(ValueError, match="chunk_bytes"):
         ChunkPolicy(chunk_bytes=10, shard_bytes=5)
+
+
+@pytest.mark.parametrize(
+    ("shape", "chunk"),
+    [  # docs/benchmarks.md, the aligned tile of the simulated table
+        ((4096, 4096), (8, 512)),
+        ((11008, 4096), (22, 512)),
+        ((4096, 11008), (8, 1376)),
+        ((28672, 8192), (16, 1024)),
+        ((8192, 28672), (4, 3584)),
+        ((1024, 256), (32, 32)),  # small matrices: at least 4 KiB
+        ((256, 1024), (8, 128)),
+        ((64, 1 << 20), (1, 16384)),  # a TP slice's row is over 64 KiB: row pieces
+    ],
+)
+def test_box_chunks(shape: tuple[int, int], chunk: tuple[int, int]) -> None:
+    chunking = choose_chunking(shape, 4, ChunkPolicy())
+    assert chunking.chunk_shape == chunk
+    assert chunking.shard_shape[1] >= shape[1] and chunking.shard_shape[0] % chunk[0] == 0
+    assert prod(chunking.shard_shape) * 4 <= 16 << 20
+
+
+def test_box_chunks_only_where_asked() -> None:
+    assert box_chunk_shape((1024, 255), 4, ChunkPolicy()) is None  # under 1 MiB
+    assert box_chunk_shape((4096, 4096), 4, ChunkPolicy(tp_max=1)) is None
+    assert box_chunk_shape((1 << 20,), 4, ChunkPolicy()) is None
+    assert box_chunk_shape((4096, 4096), 4, ChunkPolicy(tp_max=4)) == (16, 1024)
+    assert choose_chunking((4096, 4096), 4, ChunkPolicy(tp_max=1)).chunk_shape == (4, 4096)

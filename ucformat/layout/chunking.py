@@ -1,14 +1,24 @@
 """Chunk and shard shapes: a pure function of an array's shape, itemsize and byte targets.
 
-Every chunk and every shard is a *flat-contiguous block*: ``(1, ..., 1, k, d_{j+1}, ..., d_n)``,
-i.e. a run of whole trailing sub-arrays, so a chunk holds consecutive elements of the row-major
-flattening (the trailing dimension may be split into equal parts when one row alone exceeds the
-target). Consequences:
+Two kinds of inner chunk (docs/format.md §2.2):
 
-* a flat range ``[a, b)`` of a parameter (what a ZeRO rank owns) touches only the chunks that hold
-  its elements, plus at most one partial chunk at each end;
-* a shard is a flat range too, so the converter fills one shard from the source fragments in
-  memory and writes it once, never read-modify-write.
+* a *flat-contiguous block* ``(1, ..., 1, k, d_{j+1}, ..., d_n)``: a run of whole trailing
+  sub-arrays, so a chunk holds consecutive elements of the row-major flattening (the trailing
+  dimension may be split into equal parts when one row alone exceeds the target). Every array
+  gets these, except
+* a *box chunk* ``(r, c)`` for a matrix of at least :attr:`ChunkPolicy.box_min_bytes`:
+  ``c = ceil(C / tp_max)`` columns (a row-wise tensor-parallel slice at the largest expected
+  TP degree, or an equal part of it when that alone exceeds the chunk target) by the rows of
+  one FSDP2 + TP row piece at ``tp_max x dp_max`` (``ceil(ceil(R / tp_max) / dp_max)``), kept
+  between a sixteenth of the chunk target and the target. Column slices (``Shard(1)``) and row
+  slices (``Shard(0)``, FSDP2, ZeRO) of such a matrix both read whole chunks.
+
+Shards are flat-contiguous in both cases (whole rows of a box-chunked matrix), so
+
+* a shard is one flat range of the array, and the converter fills one shard from the source
+  fragments in memory and writes it once, never read-modify-write;
+* a flat range ``[a, b)`` of a parameter (what a ZeRO rank owns) touches only the chunks that
+  hold its elements (for flat chunks: plus at most one partial chunk at each end).
 
 The targets are bytes of uncompressed data: ``chunk_bytes`` sets the read granularity (and thus
 over-read at partition boundaries), ``shard_bytes`` the number of storage objects.
@@ -20,27 +30,51 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ucformat.layout.partition import ceil_div
+from ucformat.layout.ranges import chunk_cover
 
-__all__ = ["ChunkPolicy", "Chunking", "choose_chunking", "chunk_aligned_range", "flat_block_shape"]
+__all__ = [
+    "ChunkPolicy",
+    "Chunking",
+    "box_chunk_shape",
+    "choose_chunking",
+    "chunk_aligned_range",
+    "flat_block_shape",
+    "is_flat_chunking",
+    "shard_block",
+]
+
+#: A box chunk holds at least ``chunk_bytes // BOX_MIN_FRACTION`` bytes (small matrices would
+#: otherwise get chunks of a few hundred bytes, and an index as large as a tenth of the data).
+BOX_MIN_FRACTION = 16
 
 
 @dataclass(frozen=True)
 class ChunkPolicy:
-    """Byte targets for inner chunks and shards (uncompressed).
+    """Byte targets for inner chunks and shards (uncompressed), and the parallel degrees that
+    box chunks are aligned to.
 
-    The defaults come from the simulated scale table in docs/benchmarks.md (read amplification
-    of large-world-size loads, by chunk and shard size). A shard is also the converter's unit
-    of memory: it holds about ``workers x shard_bytes``.
+    The defaults come from the simulated tables in docs/benchmarks.md (read amplification of
+    large-world-size loads by chunk and shard size; of tensor-parallel loads by chunk shape).
+    A shard is also the converter's unit of memory: it holds about ``workers x shard_bytes``.
+    ``tp_max = 1`` turns box chunks off (every chunk flat-contiguous, as before format 2.2).
     """
 
     chunk_bytes: int = 64 * 1024
     shard_bytes: int = 16 * 1024 * 1024
+    #: The largest tensor-parallel degree reads should stay lean at (box chunk columns).
+    tp_max: int = 8
+    #: The largest data-parallel degree of an FSDP2 + TP load (box chunk rows).
+    dp_max: int = 64
+    #: Matrices of at least this many bytes get box chunks.
+    box_min_bytes: int = 1024 * 1024
 
     def __post_init__(self) -> None:
         if self.chunk_bytes < 1 or self.shard_bytes < self.chunk_bytes:
             raise ValueError(
                 f"need 1 <= chunk_bytes <= shard_bytes, got {self.chunk_bytes}, {self.shard_bytes}"
             )
+        if self.tp_max < 1 or self.dp_max < 1:
+            raise ValueError(f"need tp_max, dp_max >= 1, got {self.tp_max}, {self.dp_max}")
 
 
 @dataclass(frozen=True)
@@ -83,56 +117,146 @@ def flat_block_shape(shape: Sequence[int], target: int) -> tuple[int, ...]:
     return dims
 
 
-def choose_chunking(shape: Sequence[int], itemsize: int, policy: ChunkPolicy) -> Chunking:
-    """Chunk and shard shapes for an array of ``shape`` and ``itemsize`` under ``policy``.
+def is_flat_chunking(shape: Sequence[int], chunk_shape: Sequence[int]) -> bool:
+    """Whether every chunk of the grid holds consecutive elements of the row-major flattening
+    (the chunk shape, clipped to the array, is flat-contiguous: docs/format.md §2.2).
 
-    The shard is a flat-contiguous block of whole chunks, so every shard dimension is a
-    multiple of the chunk dimension (it may overhang the array at the split dimension).
+    >>> is_flat_chunking((10, 4), (3, 4)), is_flat_chunking((10, 4), (1, 3))
+    (True, True)
+    >>> is_flat_chunking((10, 4), (2, 2))
+    False
+    """
+    dims, chunk = tuple(shape), tuple(chunk_shape)
+    if len(dims) != len(chunk):
+        return False
+    cut = 0
+    while cut < len(dims) and chunk[cut] == 1:
+        cut += 1
+    return all(c >= d for c, d in zip(chunk[cut + 1 :], dims[cut + 1 :], strict=True))
+
+
+def box_chunk_shape(
+    shape: Sequence[int], itemsize: int, policy: ChunkPolicy
+) -> tuple[int, ...] | None:
+    """The box chunk of a matrix under ``policy`` (module docstring), or None where the
+    matrix gets a flat-contiguous chunk (not 2-D, smaller than ``box_min_bytes``, fewer columns
+    than ``tp_max``, or ``tp_max`` 1).
+
+    >>> box_chunk_shape((4096, 11008), 4, ChunkPolicy())
+    (8, 1376)
+    >>> box_chunk_shape((256, 1024), 4, ChunkPolicy())
+    (8, 128)
+    >>> box_chunk_shape((512, 262144), 4, ChunkPolicy())
+    (1, 16384)
     """
     dims = tuple(shape)
-    if not dims:
-        return Chunking((), ())
-    chunk = flat_block_shape(dims, max(1, policy.chunk_bytes // itemsize))
-    if any(dim == 0 for dim in dims):
-        return Chunking(chunk, chunk)
+    if len(dims) != 2 or policy.tp_max <= 1 or dims[1] < policy.tp_max:
+        return None
+    rows, columns = dims
+    if rows * columns * itemsize < policy.box_min_bytes:
+        return None
+    cols = ceil_div(columns, policy.tp_max)
+    if cols * itemsize > policy.chunk_bytes:  # one slice's row is a chunk or more: row pieces
+        parts = ceil_div(cols * itemsize, policy.chunk_bytes)
+        return 1, ceil_div(cols, parts)
+    row_bytes = cols * itemsize
+    piece = ceil_div(ceil_div(rows, policy.tp_max), policy.dp_max)
+    low = ceil_div(max(1, policy.chunk_bytes // BOX_MIN_FRACTION), row_bytes)
+    high = max(1, policy.chunk_bytes // row_bytes)
+    return min(high, max(piece, low), rows), cols
+
+
+def shard_block(
+    shape: Sequence[int], chunk_shape: Sequence[int], itemsize: int, shard_bytes: int
+) -> tuple[int, ...]:
+    """The shard shape, in chunks, for ``chunk_shape``: the largest flat-contiguous block of
+    whole chunks of at most about ``shard_bytes`` (for box chunks: whole rows of chunks, at
+    least one)."""
+    dims, chunk = tuple(shape), tuple(chunk_shape)
     grid = tuple(ceil_div(d, c) for d, c in zip(dims, chunk, strict=True))
     chunk_elements = 1
     for dim in chunk:
         chunk_elements *= dim
-    chunks_per_shard = max(1, policy.shard_bytes // (itemsize * chunk_elements))
-    block = flat_block_shape(grid, chunks_per_shard)
+    per_shard = max(1, shard_bytes // (itemsize * chunk_elements))
+    if is_flat_chunking(dims, chunk):
+        return flat_block_shape(grid, per_shard)
+    across = 1
+    for extent in grid[1:]:
+        across *= extent
+    rows = min(grid[0], max(1, per_shard // across))
+    rows = ceil_div(grid[0], ceil_div(grid[0], rows))
+    return (rows, *grid[1:])
+
+
+def choose_chunking(shape: Sequence[int], itemsize: int, policy: ChunkPolicy) -> Chunking:
+    """Chunk and shard shapes for an array of ``shape`` and ``itemsize`` under ``policy``.
+
+    The shard is a flat-contiguous block of whole chunks, so every shard dimension is a
+    multiple of the chunk dimension (it may overhang the array at the split dimension, and at
+    the columns of box chunks).
+    """
+    dims = tuple(shape)
+    if not dims:
+        return Chunking((), ())
+    if any(dim == 0 for dim in dims):
+        chunk = flat_block_shape(dims, max(1, policy.chunk_bytes // itemsize))
+        return Chunking(chunk, chunk)
+    chunk = box_chunk_shape(dims, itemsize, policy) or flat_block_shape(
+        dims, max(1, policy.chunk_bytes // itemsize)
+    )
+    block = shard_block(dims, chunk, itemsize, policy.shard_bytes)
     return Chunking(chunk, tuple(b * c for b, c in zip(block, chunk, strict=True)))
+
+
+def _flat(shape: Sequence[int], coords: Sequence[int]) -> int:
+    index = 0
+    for dim, coord in zip(shape, coords, strict=True):
+        index = index * dim + coord
+    return index
+
+
+def _coords(shape: Sequence[int], index: int) -> list[int]:
+    coords: list[int] = []
+    for dim in reversed(shape):
+        coords.append(index % dim)
+        index //= dim
+    coords.reverse()
+    return coords
 
 
 def _chunk_span(shape: Sequence[int], chunk_shape: Sequence[int], index: int) -> tuple[int, int]:
     """The flat range of the (flat-contiguous) chunk holding flat element ``index``."""
-    coords: list[int] = []
-    rest = index
-    for dim in reversed(shape):
-        coords.append(rest % dim)
-        rest //= dim
-    coords.reverse()
-    corner = [c // k * k for c, k in zip(coords, chunk_shape, strict=True)]
-    start = 0
-    for dim, c in zip(shape, corner, strict=True):
-        start = start * dim + c
+    corner = [c // k * k for c, k in zip(_coords(shape, index), chunk_shape, strict=True)]
     size = 1
     for k, dim, c in zip(chunk_shape, shape, corner, strict=True):
         size *= min(k, dim - c)
+    start = _flat(shape, corner)
     return start, start + size
 
 
 def chunk_aligned_range(
     shape: Sequence[int], chunk_shape: Sequence[int], start: int, stop: int
 ) -> tuple[int, int]:
-    """Widen the flat range ``[start, stop)`` to whole chunks (chunks are flat-contiguous).
+    """The smallest flat range holding every chunk that holds an element of ``[start, stop)``.
 
-    Reading the widened range costs the same bytes as the exact one (a chunk is the unit of
-    reads) but maps to fewer boxes, often one.
+    For flat-contiguous chunks reading the widened range costs the same bytes as the exact one
+    (a chunk is the unit of reads) but maps to fewer boxes, often one. For box chunks it spans
+    whole chunk rows; readers read the exact chunks instead
+    (:func:`ucformat.layout.ranges.chunk_cover`).
 
     >>> chunk_aligned_range((10, 4), (3, 4), 5, 14)
     (0, 24)
+    >>> chunk_aligned_range((4, 8), (2, 4), 9, 11)
+    (0, 12)
     """
     if start >= stop or not shape:
         return start, stop
-    return _chunk_span(shape, chunk_shape, start)[0], _chunk_span(shape, chunk_shape, stop - 1)[1]
+    if is_flat_chunking(shape, chunk_shape):
+        return _chunk_span(shape, chunk_shape, start)[0], _chunk_span(shape, chunk_shape, stop - 1)[
+            1
+        ]
+    low, high = stop, start
+    for box in chunk_cover(shape, chunk_shape, [(start, stop)]):
+        low = min(low, _flat(shape, [piece.start for piece in box]))
+        high = max(high, _flat(shape, [piece.stop - 1 for piece in box]) + 1)
+    return low, high

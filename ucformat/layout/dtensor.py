@@ -25,7 +25,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ucformat.layout.chunking import Chunking, ChunkPolicy, choose_chunking, flat_block_shape
+from ucformat.layout.chunking import Chunking, ChunkPolicy, choose_chunking, shard_block
 from ucformat.layout.partition import ceil_div
 
 __all__ = [
@@ -175,8 +175,8 @@ def aligned_chunking(
     """Chunk and shard shapes whose dim-0 boundaries include every row in ``row_boundaries``.
 
     With aligned shards no store shard straddles two owners, so each is written by the rank
-    holding it, from its own memory. The chunk keeps the policy's flat-contiguous shape
-    (:func:`~ucformat.layout.chunking.choose_chunking`) with its dim-0 rows cut down to a
+    holding it, from its own memory. The chunk keeps the policy's shape (flat-contiguous or box:
+    :func:`~ucformat.layout.chunking.choose_chunking`) with its dim-0 rows cut down to a
     divisor of the boundaries; if that leaves chunks smaller than a quarter of the policy's
     target, the policy's own chunking is returned (some shards then straddle owners).
 
@@ -194,10 +194,7 @@ def aligned_chunking(
         if rows * MIN_ALIGNED_FRACTION < chunk[0]:
             return default
         chunk[0] = rows
-    grid = [ceil_div(d, c) for d, c in zip(shape, chunk, strict=True)]
-    chunk_elements = math.prod(chunk)
-    per_shard = max(1, policy.shard_bytes // (itemsize * chunk_elements))
-    block = list(flat_block_shape(grid, per_shard))
+    block = list(shard_block(shape, chunk, itemsize, policy.shard_bytes))
     if block[0] > 1:  # a shard spans several chunk rows: the same for shards
         block[0] = _largest_divisor(step // chunk[0], block[0])
     return Chunking(tuple(chunk), tuple(b * c for b, c in zip(block, chunk, strict=True)))

@@ -11,19 +11,27 @@ indexes). Compression is ignored (ucformat's default is none).
 Requests follow the reader (:mod:`ucformat.store.direct.shard_read`): one suffix request per
 shard index (once per reader), and per range one range request per shard it touches (the
 range's chunks of one shard are stored back to back, so they are one run); a 0-d array is one
-whole-object request and has no index.
+whole-object request and has no index. With chunks that are not flat-contiguous (box chunks,
+docs/format.md §2.2) a range's chunks of one shard may be several runs in storage: per range and
+shard, one request per run of its chunks stored back to back, exactly as the reader groups them;
+``together`` counts the requests of one read of all the ranges at once
+(:meth:`~ucformat.read.checkpoint.UniversalCheckpoint.read_runs` on such arrays).
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from math import prod
 
-from ucformat.layout.chunking import chunk_aligned_range
+from ucformat.layout.chunking import chunk_aligned_range, is_flat_chunking
 from ucformat.layout.partition import ceil_div
+from ucformat.layout.placements import merge_runs
+from ucformat.layout.ranges import Rect, box_rect, flat_range_to_boxes, union_cover
+from ucformat.layout.shards import morton_order
 
-__all__ = ["ReadCost", "chunk_ids", "range_read_cost"]
+__all__ = ["ReadCost", "chunk_ids", "range_read_cost", "runs_read_cost"]
 
 CRC_BYTES = 4
 INDEX_ENTRY_BYTES = 16
@@ -84,12 +92,17 @@ def _block_id(shape: Sequence[int], block: Sequence[int], flat_index: int) -> in
 def chunk_ids(shape: Sequence[int], chunk_shape: Sequence[int], start: int, stop: int) -> range:
     """Ids (row-major in the chunk grid) of the chunks holding flat elements ``[start, stop)``.
 
-    Chunks are flat-contiguous, so these are consecutive ids.
+    Chunks must be flat-contiguous (these are then consecutive ids).
+
+    Raises:
+        ValueError: the chunks are not flat-contiguous.
     """
     if start >= stop:
         return range(0)
     if not shape:
         return range(1)
+    if not is_flat_chunking(shape, chunk_shape):
+        raise ValueError(f"chunks {tuple(chunk_shape)} of {tuple(shape)} are not flat-contiguous")
     low, high = chunk_aligned_range(shape, chunk_shape, start, stop)
     return range(_block_id(shape, chunk_shape, low), _block_id(shape, chunk_shape, high - 1) + 1)
 
@@ -100,8 +113,15 @@ def range_read_cost(
     shard_shape: Sequence[int],
     itemsize: int,
     ranges: Iterable[tuple[int, int]],
+    *,
+    together: bool = False,
 ) -> ReadCost:
-    """Bytes fetched to read ``ranges`` of one array (each chunk and index fetched once)."""
+    """Bytes fetched to read ``ranges`` of one array (each chunk and index fetched once).
+
+    Requests count one read per range, or (``together``) one read of all of them.
+    """
+    if shape and not is_flat_chunking(shape, chunk_shape):
+        return _box_read_cost(shape, chunk_shape, shard_shape, itemsize, list(ranges), together)
     chunks: set[int] = set()
     shards: set[int] = set()
     data_requests = 0
@@ -145,3 +165,106 @@ def _chunk_to_shard(
     for coord, per, extent in zip(coords, per_shard, shard_grid, strict=True):
         shard_id = shard_id * extent + coord // per
     return shard_id
+
+
+def runs_read_cost(
+    shape: Sequence[int],
+    chunk_shape: Sequence[int],
+    shard_shape: Sequence[int],
+    itemsize: int,
+    runs: Iterable[tuple[int, int]],
+) -> ReadCost:
+    """What :meth:`~ucformat.read.checkpoint.UniversalCheckpoint.read_runs` fetches for the flat
+    ``runs`` of one local shard: with flat-contiguous chunks the runs' chunk-widened spans that
+    touch are merged and each read once; with box chunks all runs are one read."""
+    spans = [(start, stop) for start, stop in runs if start < stop]
+    if shape and not is_flat_chunking(shape, chunk_shape):
+        return range_read_cost(shape, chunk_shape, shard_shape, itemsize, spans, together=True)
+    widened = [chunk_aligned_range(shape, chunk_shape, start, stop) for start, stop in spans]
+    ranges = []
+    for _, _, members in merge_runs(widened):
+        ranges.append((min(spans[i][0] for i in members), max(spans[i][1] for i in members)))
+    return range_read_cost(shape, chunk_shape, shard_shape, itemsize, ranges)
+
+
+def _area(rect: Rect) -> int:
+    return prod(hi - lo for lo, hi in rect)
+
+
+def _clip(rect: Rect, other: Rect) -> Rect | None:
+    out = tuple((max(a, c), min(b, d)) for (a, b), (c, d) in zip(rect, other, strict=True))
+    return out if all(lo < hi for lo, hi in out) else None
+
+
+def _box_read_cost(
+    shape: Sequence[int],
+    chunk_shape: Sequence[int],
+    shard_shape: Sequence[int],
+    itemsize: int,
+    ranges: list[tuple[int, int]],
+    together: bool,
+) -> ReadCost:
+    """:func:`range_read_cost` for any chunk shape (exact: chunks counted as grid rects)."""
+    grid = _grid(shape, chunk_shape)
+    per_shard = [s // c for s, c in zip(shard_shape, chunk_shape, strict=True)]
+    calls: list[list[Rect]] = []
+    for start, stop in ranges:
+        rects = [box_rect(box, chunk_shape) for box in flat_range_to_boxes(shape, start, stop)]
+        if together and calls:
+            calls[0] += rects
+        elif rects:
+            calls.append(rects)
+    covers = [union_cover(rects) for rects in calls]
+    chunks = sum(_area(rect) for rect in union_cover(r for cover in covers for r in cover))
+    shards: set[tuple[int, ...]] = set()
+    data_requests = 0
+    for cover in covers:
+        touched: set[tuple[int, ...]] = set()
+        for rect in cover:
+            shard_rect = tuple(
+                (lo // per, (hi - 1) // per + 1)
+                for (lo, hi), per in zip(rect, per_shard, strict=True)
+            )
+            touched.update(itertools.product(*(range(lo, hi) for lo, hi in shard_rect)))
+        for coords in touched:
+            data_requests += _shard_runs(coords, per_shard, grid, cover)
+        shards |= touched
+    chunk_bytes = prod(chunk_shape) * itemsize + CRC_BYTES
+    index_bytes = INDEX_ENTRY_BYTES * prod(per_shard) + CRC_BYTES
+    return ReadCost(
+        data_bytes=chunks * chunk_bytes,
+        index_bytes=len(shards) * index_bytes,
+        chunks=chunks,
+        shards=len(shards),
+        data_requests=data_requests,
+        index_requests=len(shards),
+    )
+
+
+def _shard_runs(
+    coords: tuple[int, ...], per_shard: Sequence[int], grid: Sequence[int], cover: list[Rect]
+) -> int:
+    """Runs of chunks stored back to back among the chunks of ``cover`` in one shard."""
+    region = tuple(
+        (c * per, min((c + 1) * per, extent))
+        for c, per, extent in zip(coords, per_shard, grid, strict=True)
+    )
+    parts = [part for rect in cover if (part := _clip(rect, region)) is not None]
+    if sum(_area(part) for part in parts) == _area(region):
+        return 1  # every chunk present in the shard: stored back to back
+    wanted = {
+        tuple(c - lo for c, (lo, _) in zip(cell, region, strict=True))
+        for part in parts
+        for cell in itertools.product(*(range(lo, hi) for lo, hi in part))
+    }
+    present = [
+        local
+        for local in morton_order(per_shard)
+        if all(lo + c < hi for c, (lo, hi) in zip(local, region, strict=True))
+    ]
+    runs, previous = 0, False
+    for local in present:
+        hit = local in wanted
+        runs += hit and not previous
+        previous = hit
+    return runs

@@ -11,9 +11,10 @@ absent chunk) is followed by its own crc32c. Chunks are stored in the compressed
 the shard's chunk grid, and exactly the chunks that intersect the array are present: what
 zarr-python writes for a whole-shard region write, byte for byte.
 
-With flat-contiguous chunks (§2.2) each chunk holds one run of consecutive elements of the
-array, so a writer can assemble a shard straight from flat source ranges: :func:`shard_layout`
-says where each run goes. Pure integer arithmetic: no zarr, no numpy.
+Each chunk holds one run of consecutive elements of the array (flat-contiguous chunks, §2.2)
+or, for any other chunk shape (box chunks), several: :func:`shard_layout` says where each run
+of each chunk goes, so a writer can assemble a shard straight from flat source ranges. Pure
+integer arithmetic: no zarr, no numpy.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from math import prod
 from ucformat.layout.grid import chunk_box
 from ucformat.layout.partition import ceil_div
 
-__all__ = ["ABSENT", "CRC_BYTES", "ChunkSlot", "INDEX_ENTRY_BYTES", "ShardLayout",
+__all__ = ["ABSENT", "CRC_BYTES", "ChunkSlot", "INDEX_ENTRY_BYTES", "ShardLayout", "box_runs",
            "morton_order", "shard_layout", "shards_in_range"]  # fmt: skip
 
 CRC_BYTES = 4
@@ -41,12 +42,22 @@ class ChunkSlot:
 
     #: Coordinates in the shard's chunk grid.
     local: tuple[int, ...]
-    #: First element of the run, in the array's row-major flattening.
+    #: First element of the chunk, in the array's row-major flattening.
     flat_start: int
-    #: Elements in the run (the chunk's part inside the array).
+    #: Elements of the chunk inside the array.
     length: int
     #: Byte offset of the chunk's data in the shard object (its crc32c follows the data).
     offset: int
+    #: The chunk's part inside the array (global element coordinates).
+    box: tuple[slice, ...] = ()
+    #: Its runs of consecutive array elements: ``(flat start, element position in the stored
+    #: chunk, length)``; one run for a flat-contiguous chunk.
+    runs: tuple[tuple[int, int, int], ...] = ()
+
+    @property
+    def contiguous(self) -> bool:
+        """Whether the chunk is one run of the array stored from its first element."""
+        return len(self.runs) == 1
 
 
 @dataclass(frozen=True)
@@ -111,8 +122,7 @@ def shard_layout(
     """The layout of shard ``shard`` (coordinates in the shard grid) of an array.
 
     Raises:
-        ValueError: the array is 0-d or empty, the shard is not a whole number of chunks, or a
-            chunk is not flat-contiguous (its elements are not one run).
+        ValueError: the array is 0-d or empty, or the shard is not a whole number of chunks.
 
     >>> layout = shard_layout((10, 4), (3, 4), (6, 4), 4, (1,))
     Traceback (most recent call last):
@@ -153,16 +163,44 @@ def _shard_layout(
         if any(c >= g for c, g in zip(coords, grid, strict=True)):
             continue  # outside the array: zarr stores nothing for it
         box = chunk_box(dims, chunks, coords)
-        first = last = 0
+        first = 0
         for dim, piece in zip(dims, box, strict=True):
             first = first * dim + piece.start
-            last = last * dim + piece.stop - 1
         length = prod(piece.stop - piece.start for piece in box)
-        if last + 1 - first != length:
-            raise ValueError(f"chunk {coords} of chunk shape {chunks} in {dims} is not one run")
-        slots.append(ChunkSlot(local, first, length, offset))
+        runs = box_runs(dims, chunks, box)
+        slots.append(ChunkSlot(local, first, length, offset, box, runs))
         offset += chunk_nbytes + CRC_BYTES
     return ShardLayout(per_shard, chunk_nbytes, tuple(slots), offset)
+
+
+def box_runs(
+    shape: Sequence[int], chunk_shape: Sequence[int], box: tuple[slice, ...]
+) -> tuple[tuple[int, int, int], ...]:
+    """The runs of consecutive array elements of a chunk's ``box`` (its part inside the array,
+    the chunk's corner at ``box``'s start): ``(flat start, position in the stored chunk,
+    length)`` in the chunk's row-major order. Trailing dimensions that the box, the array and
+    the chunk span alike merge into each run.
+
+    >>> box_runs((4, 8), (2, 4), (slice(2, 4), slice(4, 8)))
+    ((20, 0, 4), (28, 4, 4))
+    >>> box_runs((10, 4), (3, 4), (slice(9, 10), slice(0, 4)))
+    ((36, 0, 4),)
+    """
+    dims, chunk = tuple(shape), tuple(chunk_shape)
+    sizes = [piece.stop - piece.start for piece in box]
+    cut = len(dims) - 1
+    while cut > 0 and sizes[cut] == dims[cut] == chunk[cut]:
+        cut -= 1
+    length = prod(sizes[cut:])
+    runs = []
+    for lead in itertools.product(*(range(p.start, p.stop) for p in box[:cut])):
+        coords = (*lead, *(p.start for p in box[cut:]))
+        flat = position = 0
+        for index, (dim, size, coord) in enumerate(zip(dims, chunk, coords, strict=True)):
+            flat = flat * dim + coord
+            position = position * size + coord - box[index].start
+        runs.append((flat, position, length))
+    return tuple(runs)
 
 
 def shards_in_range(

@@ -9,9 +9,13 @@ inner chunks those boxes touch and names any bad chunk. Either way the same byte
 and every byte is counted in :attr:`UniversalCheckpoint.stats`.
 
 A DTensor's local shard that is not one flat range (a ``Shard(1)`` column block: one run per
-row) is read by :meth:`UniversalCheckpoint.read_runs`: the runs' chunk-widened spans that
-overlap or touch are merged (:func:`~ucformat.layout.placements.merge_runs`) and each merged
-span is one range read, so every chunk is fetched once.
+row) is read by :meth:`UniversalCheckpoint.read_runs`. With flat-contiguous chunks the runs'
+chunk-widened spans that overlap or touch are merged
+(:func:`~ucformat.layout.placements.merge_runs`) and each merged span is one range read; with
+box chunks (docs/format.md §2.2) all runs are one read of exactly the chunks holding them
+(:mod:`ucformat.store.direct.runs_read`). Either way every chunk is fetched once. Through zarr,
+box-chunked arrays are read as the disjoint chunk-aligned boxes holding those chunks
+(:func:`~ucformat.layout.ranges.chunk_cover`).
 """
 
 from __future__ import annotations
@@ -30,12 +34,13 @@ from ucformat.format.dtypes import numpy_storage_dtype, storage_to_torch, torch_
 from ucformat.format.models import ArrayRef, CheckpointManifest, ScalarState
 from ucformat.format.spec import BUFFER_STATE, FP32_STATE, VALUE_STATE, shard_object_key
 from ucformat.layout.boxes import Run
-from ucformat.layout.chunking import chunk_aligned_range
+from ucformat.layout.chunking import chunk_aligned_range, is_flat_chunking
 from ucformat.layout.placements import merge_runs
-from ucformat.layout.ranges import flat_range_to_boxes
+from ucformat.layout.ranges import chunk_cover, flat_range_to_boxes, intersect_boxes
 from ucformat.store.arrays import Array, array_from_manifest, read_box
 from ucformat.store.checked import CheckedStore, IOStats
-from ucformat.store.direct.shard_read import NOT_APPLICABLE, check_flat_range, read_flat_range
+from ucformat.store.direct.runs_read import FlatRun, check_runs, read_runs
+from ucformat.store.direct.shard_read import NOT_APPLICABLE
 from ucformat.store.keys import Store, StoreLike, open_store
 from ucformat.store.manifest_io import read_manifest
 from ucformat.sysio.memory import prefaulted_empty
@@ -188,6 +193,11 @@ class UniversalCheckpoint:
         ref = self.array_ref(name, state)
         total = sum(run.length for run in runs)
         out = prefaulted_empty(total, numpy_storage_dtype(ref.dtype))
+        if ref.shape and not is_flat_chunking(ref.shape, ref.chunk_shape):
+            self.read_runs_into(
+                ref, [(r.start, r.start + r.length, r.chunk_start) for r in runs], out
+            )
+            runs = []
         spans = [
             chunk_aligned_range(ref.shape, ref.chunk_shape, run.start, run.start + run.length)
             for run in runs
@@ -227,7 +237,7 @@ class UniversalCheckpoint:
         if start >= stop:
             return True
         key = functools.partial(shard_object_key, ref.path)
-        result = check_flat_range(self.store, ref, key, start, stop)
+        result = check_runs(self.store, ref, key, [(start, stop)])
         if result.corrupt:
             raise result.error(ref.path)
         return result.ok
@@ -236,10 +246,13 @@ class UniversalCheckpoint:
         """Fill ``out`` (storage dtype, length ``stop - start``) with flat elements of ``ref``."""
         if start >= stop:
             return
+        if ref.shape and not is_flat_chunking(ref.shape, ref.chunk_shape):
+            self.read_runs_into(ref, [(start, stop, 0)], out.reshape(-1))
+            return
         key = functools.partial(shard_object_key, ref.path)
         direct = NOT_APPLICABLE
         if out.ndim == 1 and out.flags.c_contiguous:
-            direct = read_flat_range(self.store, ref, key, start, stop, out)
+            direct = read_runs(self.store, ref, key, [(start, stop, 0)], out)
         if direct.ok:
             return  # uncompressed shards, every checksum good
         # zarr reads the range; where the direct read found damage, zarr's decoder names the
@@ -254,3 +267,48 @@ class UniversalCheckpoint:
         if direct.corrupt:
             raise direct.error(ref.path)
         out[:] = values[start - low : stop - low]
+
+    def read_runs_into(self, ref: ArrayRef, runs: Sequence[FlatRun], out: np.ndarray) -> None:
+        """Fill ``out`` (1-D, storage dtype) with flat runs ``(start, stop, at)`` of ``ref``:
+        elements ``[start, stop)`` go to ``out[at:]``. All runs are one read: every chunk
+        holding them is fetched once."""
+        runs = [run for run in runs if run[0] < run[1]]
+        if not runs:
+            return
+        key = functools.partial(shard_object_key, ref.path)
+        direct = NOT_APPLICABLE
+        if out.ndim == 1 and out.flags.c_contiguous:
+            direct = read_runs(self.store, ref, key, runs, out)
+        if direct.ok:
+            return
+        if ref.shape and is_flat_chunking(ref.shape, ref.chunk_shape):
+            for start, stop, at in runs:
+                self.read_range_into(ref, start, stop, out[at : at + stop - start])
+            return
+        # through zarr: the disjoint chunk-aligned boxes that hold the runs, each read once
+        array = self._array(ref)
+        covers = [
+            (box, read_box(array, box))
+            for box in chunk_cover(ref.shape, ref.chunk_shape, [(a, b) for a, b, _ in runs])
+        ]
+        if direct.corrupt:
+            raise direct.error(ref.path)
+        for start, stop, at in runs:
+            for box in flat_range_to_boxes(ref.shape, start, stop):
+                sizes = [p.stop - p.start for p in box]
+                size = math.prod(sizes)
+                view = out[at : at + size].reshape(sizes)
+                at += size
+                for cover, values in covers:
+                    part = intersect_boxes(box, cover)
+                    if part is None:
+                        continue
+                    into = tuple(
+                        slice(p.start - b.start, p.stop - b.start)
+                        for p, b in zip(part, box, strict=True)
+                    )
+                    fro = tuple(
+                        slice(p.start - c.start, p.stop - c.start)
+                        for p, c in zip(part, cover, strict=True)
+                    )
+                    view[into] = values[fro]

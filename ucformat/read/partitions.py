@@ -23,6 +23,7 @@ import torch
 from ucformat.format.dtypes import itemsize, numpy_storage_dtype, storage_to_torch, torch_dtype
 from ucformat.format.models import ArrayRef
 from ucformat.format.spec import FP32_STATE
+from ucformat.layout.chunking import is_flat_chunking
 from ucformat.layout.partition import Fragment, PartitionedFlatLayout, PerParamLayout
 from ucformat.layout.reads import ReadCost, range_read_cost
 from ucformat.read.checkpoint import UniversalCheckpoint
@@ -80,11 +81,15 @@ class ReadTally:
     def planned(self) -> ReadCost:
         """What the read-cost model (:mod:`ucformat.layout.reads`) says these ranges cost:
         bytes and requests, shard indexes fetched once per array (exact when each array is
-        read in one range, as a rank's loads read it)."""
+        read in one range, as a rank's loads read it; box-chunked arrays: in one read of all
+        its ranges)."""
         total = ReadCost(0, 0, 0, 0)
         for ref, ranges in self.ranges.values():
             item = itemsize(ref.dtype)
-            total += range_read_cost(ref.shape, ref.chunk_shape, ref.shard_shape, item, ranges)
+            together = bool(ref.shape) and not is_flat_chunking(ref.shape, ref.chunk_shape)
+            total += range_read_cost(
+                ref.shape, ref.chunk_shape, ref.shard_shape, item, ranges, together=together
+            )
         return total
 
 
@@ -228,7 +233,18 @@ def _read_span(
     out: np.ndarray,
     tally: ReadTally,
 ) -> None:
-    """Read ``[first start, last stop)`` of ``ref`` once, then copy each fragment's part."""
+    """Read ``[first start, last stop)`` of ``ref`` once, then copy each fragment's part.
+
+    With box chunks (docs/format.md §2.2) the fragments are read as one read of exactly the
+    chunks that hold them, straight into place: a row-parallel slice reads its columns only.
+    """
+    if ref.shape and not is_flat_chunking(ref.shape, ref.chunk_shape):
+        runs = [(f.param_start, f.param_stop, f.partition_start) for f in group]
+        ckpt.read_runs_into(ref, runs, out)
+        for fragment in group:
+            tally.bytes_needed += fragment.length * itemsize(ref.dtype)
+            tally.note(ref, fragment.param_start, fragment.param_stop)
+        return
     low = min(f.param_start for f in group)
     high = max(f.param_stop for f in group)
     span = np.empty(high - low, dtype=out.dtype)

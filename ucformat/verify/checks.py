@@ -81,9 +81,10 @@ def ref_problems(array: ManifestArray, seen: set[str]) -> list[str]:
     if numel == 0:
         return problems
     chunk, shard = tuple(ref.chunk_shape), tuple(ref.shard_shape)
-    if not is_flat_block(ref.shape, chunk):
+    if len(chunk) != len(ref.shape) or any(size < 1 for size in chunk):
         problems.append(
-            f"{array.what}: chunk shape {ref.chunk_shape} is not a flat-contiguous block"
+            f"{array.what}: chunk shape {ref.chunk_shape} is not a block of the array's "
+            f"{len(ref.shape)} dimensions"
         )
     elif not is_flat_block(ref.shape, shard, overhang=True) or any(
         s % c for s, c in zip(shard, chunk, strict=True)

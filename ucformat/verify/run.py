@@ -23,6 +23,7 @@ format, an unreadable source) raises :class:`~ucformat.errors.UCFormatError`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from collections.abc import Iterable
 from contextlib import ExitStack
@@ -53,7 +54,7 @@ from ucformat.store.arrays import (
     read_box,
 )
 from ucformat.store.checked import CheckedStore
-from ucformat.store.direct.shard_read import read_flat_range
+from ucformat.store.direct.runs_read import read_runs
 from ucformat.store.keys import Store, StoreLike, list_keys, open_store, read_key
 from ucformat.store.locations import local_source
 from ucformat.store.manifest_io import (
@@ -382,7 +383,8 @@ def _read_shard(
     else (or when anything does not check out) through zarr, which names the failing chunk."""
     values = np.empty(stop - start, dtype=numpy_storage_dtype(ref.dtype))
     store = array.store_path.store
-    direct = read_flat_range(store, ref, lambda shard: chunk_key(array, shard), start, stop, values)
+    key = functools.partial(chunk_key, array)
+    direct = read_runs(store, ref, key, [(start, stop, 0)], values)
     if direct.ok:
         return values
     values = read_box(array, region).reshape(-1)

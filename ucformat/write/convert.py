@@ -50,6 +50,7 @@ def plan_from_source(
     opaque_globals: Iterable[str] = (),
     model_key: str | None = None,
     optimizer_key: str | None = None,
+    tp_max: int | None = None,
 ) -> ConvertPlan:
     """Read ``src``'s metadata and plan its conversion, without writing anything."""
     with read_source(
@@ -60,7 +61,7 @@ def plan_from_source(
         optimizer_key=optimizer_key,
         check_crc=False,  # a dry run reads no tensor bytes
     ) as source:
-        return plan_convert(source, _options(chunk_bytes, shard_bytes, compressor))
+        return plan_convert(source, _options(chunk_bytes, shard_bytes, compressor, tp_max))
 
 
 def convert(
@@ -80,6 +81,7 @@ def convert(
     fsync: bool = True,
     model_key: str | None = None,
     optimizer_key: str | None = None,
+    tp_max: int | None = None,
 ) -> CheckpointManifest:
     """Convert a DeepSpeed ZeRO checkpoint or a PyTorch Distributed Checkpoint into a store.
 
@@ -105,6 +107,9 @@ def convert(
         model_key: DCP only: prefix of the model weights (default ``model``, else torchtitan's
             top-level keys; ``.`` names the top level).
         optimizer_key: DCP only: prefix of the optimizer state (default ``optimizer``/``optim``).
+        tp_max: the largest tensor-parallel degree loads should read lean at: matrices of at
+            least 1 MiB get box chunks of ``ceil(columns / tp_max)`` columns (default 8; 1
+            gives flat-contiguous chunks only; docs/format.md §2.2).
 
     Returns:
         The committed manifest (for ``dry_run``, the manifest that would be written).
@@ -124,7 +129,7 @@ def convert(
         optimizer_key=optimizer_key,
         check_crc=check_source,
     ) as source:
-        plan = plan_convert(source, _options(chunk_bytes, shard_bytes, compressor))
+        plan = plan_convert(source, _options(chunk_bytes, shard_bytes, compressor, tp_max))
         if hooks.on_plan is not None:
             hooks.on_plan(plan)
         if dry_run:
@@ -147,19 +152,27 @@ def convert(
 
 
 def convert_options(
-    chunk_bytes: int | None = None, shard_bytes: int | None = None, compressor: str = "none"
+    chunk_bytes: int | None = None,
+    shard_bytes: int | None = None,
+    compressor: str = "none",
+    tp_max: int | None = None,
 ) -> ConvertOptions:
     """The layout options ``convert`` uses for these targets (None: the defaults)."""
-    return _options(chunk_bytes, shard_bytes, compressor)
+    return _options(chunk_bytes, shard_bytes, compressor, tp_max)
 
 
-def _options(chunk_bytes: int | None, shard_bytes: int | None, compressor: str) -> ConvertOptions:
+def _options(
+    chunk_bytes: int | None, shard_bytes: int | None, compressor: str, tp_max: int | None = None
+) -> ConvertOptions:
     default = ChunkPolicy()
     chunk = chunk_bytes or default.chunk_bytes
     shard = shard_bytes or max(default.shard_bytes, chunk)
     if compressor not in ("none", "zstd"):
         raise ValueError(f"compressor must be 'none' or 'zstd', got {compressor!r}")
-    return ConvertOptions(policy=ChunkPolicy(chunk, shard), compressor=compressor)
+    if tp_max is not None and tp_max < 1:
+        raise ValueError(f"tp_max must be at least 1, got {tp_max}")
+    policy = ChunkPolicy(chunk, shard, tp_max=tp_max or default.tp_max)
+    return ConvertOptions(policy=policy, compressor=compressor)
 
 
 def _pickle_policy(opaque_globals: Iterable[str]) -> PicklePolicy:

@@ -81,6 +81,7 @@ def convert_distributed(
     workers: int = DEFAULT_WORKERS,
     opaque_globals: Iterable[str] = (),
     hooks: ConvertHooks | None = None,
+    tp_max: int | None = None,
 ) -> SpreadReport:
     """``ucformat.convert`` run by every process of a distributed job; collective.
 
@@ -120,7 +121,9 @@ def convert_distributed(
         source = plan = target = None
         try:
             source = read_source(local_source(src), tag=tag, policy=_pickle_policy(opaque_globals))
-            plan = plan_convert(source, convert_options(chunk_bytes, shard_bytes, compressor))
+            plan = plan_convert(
+                source, convert_options(chunk_bytes, shard_bytes, compressor, tp_max)
+            )
             target = open_store(dst, read_only=False)
         except Exception as exc:  # every process must learn of it
             failure = exc

@@ -48,7 +48,7 @@ class ShardEncoder:
     """Fills the chunks of one :class:`~ucformat.write.plan.WriteUnit`'s shard object.
 
     Raises:
-        ValueError: the array is 0-d or compressed, or its chunks are not flat-contiguous.
+        ValueError: the array is 0-d or compressed, or the shard is not one flat range.
     """
 
     def __init__(self, ref: ArrayRef, unit: WriteUnit) -> None:
@@ -73,8 +73,14 @@ class ShardEncoder:
         return self.layout.chunk_nbytes + CRC_BYTES
 
     def windows(self, limit: int) -> Iterator[Sequence[ChunkSlot]]:
-        """The chunks in storage order, in runs of at most ``limit`` bytes (at least one)."""
+        """The chunks in storage order, in runs of at most ``limit`` bytes (at least one).
+
+        With box chunks a window holds a power of two of chunks: an aligned block of zarr's
+        Morton order, i.e. whole rows of chunks, whose runs are long runs of the source.
+        """
         per = max(1, limit // self.stored)
+        if self.layout.slots and not self.layout.slots[0].contiguous:
+            per = 1 << (per.bit_length() - 1)
         slots = self.layout.slots
         for first in range(0, len(slots), per):
             yield slots[first : first + per]
@@ -82,26 +88,33 @@ class ShardEncoder:
     def fill(self, buffer: memoryview, slots: Sequence[ChunkSlot]) -> None:
         """Write ``slots`` (consecutive in storage order) with their checksums into ``buffer``.
 
-        ``buffer[0]`` is the object's byte ``slots[0].offset``.
+        ``buffer[0]`` is the object's byte ``slots[0].offset``. A chunk is one run of the array
+        (flat-contiguous chunks) or several (box chunks: one per row); each run is filled from
+        the copies that hold it.
         """
         base, item, chunk = slots[0].offset, self.item, self.layout.chunk_nbytes
         reads: dict[int, list[tuple[int, int, memoryview]]] = {}
         for slot in sorted(slots, key=lambda s: s.flat_start):
             at = slot.offset - base
             if slot.length * item < chunk:  # an edge chunk: padding holds the fill value 0
-                buffer[at + slot.length * item : at + chunk] = bytes(chunk - slot.length * item)
-            stop = slot.flat_start + slot.length
-            index = max(0, bisect.bisect_right(self._copy_starts, slot.flat_start) - 1)
-            while index < len(self.copies) and self._copy_starts[index] < stop:
-                low = max(slot.flat_start, self._copy_starts[index])
-                high = min(stop, self._copy_starts[index] + self.copies[index].length)
-                if low < high:
-                    into = at + (low - slot.flat_start) * item
-                    reads.setdefault(index, []).append(
-                        (low, high, buffer[into : into + (high - low) * item])
-                    )
-                index += 1
+                if slot.contiguous:
+                    buffer[at + slot.length * item : at + chunk] = bytes(chunk - slot.length * item)
+                else:
+                    buffer[at : at + chunk] = bytes(chunk)
+            for flat, position, length in slot.runs:
+                stop = flat + length
+                index = max(0, bisect.bisect_right(self._copy_starts, flat) - 1)
+                while index < len(self.copies) and self._copy_starts[index] < stop:
+                    low = max(flat, self._copy_starts[index])
+                    high = min(stop, self._copy_starts[index] + self.copies[index].length)
+                    if low < high:
+                        into = at + (position + low - flat) * item
+                        reads.setdefault(index, []).append(
+                            (low, high, buffer[into : into + (high - low) * item])
+                        )
+                    index += 1
         for index, pieces in reads.items():
+            pieces.sort(key=lambda piece: piece[0])
             self._read(self.copies[index], self._copy_starts[index], pieces)
         for slot in slots:
             at = slot.offset - base

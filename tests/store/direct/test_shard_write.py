@@ -40,9 +40,20 @@ def test_layout_skips_chunks_outside_the_array() -> None:
     assert layout.nbytes == 2 * (12 + 4) + 4 * 16 + 4
 
 
-def test_layout_refuses_chunks_that_are_not_runs() -> None:
-    with pytest.raises(ValueError, match="not one run"):
-        shard_layout((4, 4), (2, 2), (4, 4), 4, (0, 0))
+def test_box_chunks_are_runs_of_rows() -> None:
+    # a box chunk (2, 2) of a (4, 4) array: one run per row, each at its row of the chunk
+    layout = shard_layout((4, 4), (2, 2), (4, 4), 4, (0, 0))
+    assert [(s.local, s.runs) for s in layout.slots] == [
+        ((0, 0), ((0, 0, 2), (4, 2, 2))),
+        ((1, 0), ((8, 0, 2), (12, 2, 2))),
+        ((0, 1), ((2, 0, 2), (6, 2, 2))),
+        ((1, 1), ((10, 0, 2), (14, 2, 2))),
+    ]
+    # an edge box chunk clipped by the array keeps its stored row pitch
+    edge = shard_layout((3, 5), (2, 3), (4, 6), 4, (0, 0))
+    assert [s.runs for s in edge.slots] == [
+        ((0, 0, 3), (5, 3, 3)), ((10, 0, 3),), ((3, 0, 2), (8, 3, 2)), ((13, 0, 2),)
+    ]  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -66,6 +77,9 @@ def _random_case(rng: random.Random) -> tuple[tuple[int, ...], str, ChunkPolicy]
     shape = tuple(rng.randint(1, 9) for _ in range(rng.randint(1, 3)))
     dtype = rng.choice(["float32", "bfloat16", "int64", "uint8"])
     chunk = rng.randint(1, 64)
+    if rng.random() < 0.5:  # box chunks (2-D arrays of at least one byte, tp_max columns)
+        tp_max, dp_max = rng.randint(2, 4), rng.randint(1, 3)
+        return shape, dtype, ChunkPolicy(chunk, chunk * rng.randint(1, 12), tp_max, dp_max, 1)
     return shape, dtype, ChunkPolicy(chunk, chunk * rng.randint(1, 12))
 
 

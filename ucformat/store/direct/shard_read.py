@@ -20,7 +20,8 @@ Three outcomes, never confused (:class:`DirectRead`):
 
 * ``OK``: every byte read (or checked) and every checksum good;
 * ``NOT_APPLICABLE``: a layout this path does not handle (compressed or scalar arrays, chunks
-  that are not flat-contiguous, an ``out`` that is not the range's size, an object that cannot be
+  that are not flat-contiguous: :mod:`~ucformat.store.direct.runs_read` reads those, an
+  ``out`` that is not the range's size, an object that cannot be
   opened); the caller reads through zarr, and ``out`` may hold garbage;
 * ``CORRUPT``: the bytes do not check out (a chunk or index failing its crc32c, an index entry
   that is absent or of the wrong size, an object shorter than its index says). The caller still
@@ -45,6 +46,7 @@ from zarr.abc.store import Store
 from ucformat.errors import CorruptDataError
 from ucformat.format.dtypes import itemsize
 from ucformat.format.models import ArrayRef
+from ucformat.layout.chunking import is_flat_chunking
 from ucformat.layout.shards import (
     ABSENT,
     CRC_BYTES,
@@ -212,6 +214,9 @@ def _shard_runs(
     ``CORRUPT`` where the array's layout or a shard's index does not allow a direct read."""
     item = itemsize(ref.dtype)
     if ref.compressor != "none" or not ref.shape or start >= stop:
+        yield NOT_APPLICABLE
+        return
+    if not is_flat_chunking(ref.shape, ref.chunk_shape):  # box chunks: runs_read reads them
         yield NOT_APPLICABLE
         return
     for coords in shards_in_range(ref.shape, ref.shard_shape, start, stop):

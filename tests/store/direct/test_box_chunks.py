@@ -1,0 +1,182 @@
+"""Box chunks (docs/format.md §2.2): shards written as zarr writes them, every read path gives
+zarr's values, and the bytes and requests fetched are those the cost model predicts."""
+
+from __future__ import annotations
+
+import itertools
+import random
+from math import prod
+from pathlib import Path
+
+import numpy as np
+import pytest
+from zarr.storage import LocalStore, MemoryStore
+
+import ucformat
+from ucformat.format.models import ArrayRef
+from ucformat.layout.boxes import Run
+from ucformat.layout.chunking import ChunkPolicy, chunk_aligned_range, is_flat_chunking
+from ucformat.layout.placements import local_runs
+from ucformat.layout.ranges import chunk_cover, flat_range_to_boxes, union_cover
+from ucformat.layout.reads import range_read_cost, runs_read_cost
+from ucformat.sources.detect import read_source
+from ucformat.store.arrays import array_from_manifest, chunk_key, create_array, write_region
+from ucformat.store.keys import open_store, read_key
+from ucformat.store.lifecycle import start_store
+from ucformat.store.manifest_io import commit_manifest
+from ucformat.write.execute import create_arrays, write_units
+from ucformat.write.plan import ConvertOptions, plan_convert, shard_regions
+
+DATA = Path(__file__).resolve().parents[2] / "fixtures" / "data"
+CASE = "z2-fp32-dsadam-ftb-ws3"
+
+
+def _brute_chunks(
+    shape: tuple[int, ...], chunk: tuple[int, ...], ranges: list[tuple[int, int]]
+) -> set[tuple[int, ...]]:
+    found = set()
+    for start, stop in ranges:
+        for index in range(start, stop):
+            coords = np.unravel_index(index, shape)
+            found.add(tuple(int(c) // k for c, k in zip(coords, chunk, strict=True)))
+    return found
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_cover_and_cost_count_exactly_the_chunks_touched(seed: int) -> None:
+    rng = random.Random(seed)
+    for _ in range(60):
+        shape = tuple(rng.randint(1, 9) for _ in range(rng.randint(1, 3)))
+        chunk = tuple(rng.randint(1, d + 1) for d in shape)
+        shard = tuple(c * rng.randint(1, 3) for c in chunk)
+        numel = prod(shape)
+        ranges = []
+        for _ in range(rng.randint(1, 3)):
+            start = rng.randrange(numel)
+            ranges.append((start, rng.randint(start + 1, numel)))
+        want = _brute_chunks(shape, chunk, ranges)
+        cover = chunk_cover(shape, chunk, ranges)
+        got = [
+            cell
+            for box in cover
+            for cell in itertools.product(
+                *(
+                    range(p.start // k, (p.stop - 1) // k + 1)
+                    for p, k in zip(box, chunk, strict=True)
+                )
+            )
+        ]
+        assert sorted(got) == sorted(want), (shape, chunk, ranges)  # disjoint, exact
+        cost = range_read_cost(shape, chunk, shard, 4, ranges)
+        assert cost.chunks == len(want), (shape, chunk, shard, ranges)
+        if is_flat_chunking(shape, chunk):
+            low, high = chunk_aligned_range(shape, chunk, *ranges[0])
+            assert _brute_chunks(shape, chunk, [(low, high)]) == _brute_chunks(
+                shape, chunk, [ranges[0]]
+            )
+
+
+def test_union_cover_is_disjoint_and_exact() -> None:
+    rng = random.Random(5)
+    for _ in range(100):
+        rects = [
+            tuple((lo, lo + rng.randint(1, 4)) for lo in (rng.randint(0, 5), rng.randint(0, 5)))
+            for _ in range(rng.randint(1, 5))
+        ]
+        cells = {c for r in rects for c in itertools.product(*(range(a, b) for a, b in r))}
+        got = [
+            c for r in union_cover(rects) for c in itertools.product(*(range(a, b) for a, b in r))
+        ]
+        assert sorted(got) == sorted(cells)
+
+
+#: Box chunks on the fixture's small matrices: 2 columns of chunks, rows of 2.
+BOX = ChunkPolicy(chunk_bytes=64, shard_bytes=512, tp_max=2, dp_max=4, box_min_bytes=1)
+
+
+def _write(
+    dst: Path, policy: ChunkPolicy, compressor: str = "none"
+) -> ucformat.UniversalCheckpoint:
+    with read_source(DATA / CASE / "ckpt") as source:
+        plan = plan_convert(source, ConvertOptions(policy=policy, compressor=compressor))
+        store = open_store(dst, read_only=False)
+        start_store(store, False)
+        arrays = create_arrays(store, plan)
+        write_units(plan, arrays, plan.units, workers=2)
+        commit_manifest(store, plan.manifest)
+    return ucformat.open(dst)
+
+
+def _refs(ckpt: ucformat.UniversalCheckpoint) -> list[ArrayRef]:
+    return [s for p in ckpt.manifest.params.values() for s in p.states.values() if s.shape]
+
+
+def test_box_shards_equal_zarr_writes(tmp_path: Path) -> None:
+    ckpt = _write(tmp_path / "s", BOX)
+    ours = LocalStore(tmp_path / "s", read_only=True)
+    boxed = 0
+    for ref in _refs(ckpt):
+        boxed += not is_flat_chunking(ref.shape, ref.chunk_shape)
+        values = np.asarray(array_from_manifest(ours, ref)[...])
+        zarr_store = MemoryStore()
+        theirs = create_array(zarr_store, ref)
+        for region in shard_regions(ref.shape, ref.shard_shape):
+            write_region(theirs, region, values[region])
+            coords = tuple(p.start // s for p, s in zip(region, ref.shard_shape, strict=True))
+            key = chunk_key(theirs, coords)
+            assert read_key(ours, key) == read_key(zarr_store, key), (ref.path, coords)
+    assert boxed >= 3
+    flat = _write(tmp_path / "flat", ChunkPolicy(64, 512))  # the same values, flat chunks
+    for ref in _refs(ckpt):
+        name, state = ref.path.split("/")[1], ref.path.split("/")[2]
+        assert np.array_equal(ckpt.read(name, state).numpy(), flat.read(name, state).numpy())
+    assert ucformat.verify(tmp_path / "s").ok
+
+
+@pytest.mark.parametrize("compressor", ["none", "zstd"])
+def test_box_reads_equal_zarr_and_cost_model(tmp_path: Path, compressor: str) -> None:
+    ckpt = _write(tmp_path / "s", BOX, compressor)
+    rng = random.Random(2)
+    refs = [r for r in _refs(ckpt) if not is_flat_chunking(r.shape, r.chunk_shape)]
+    for trial in range(40):
+        ref = rng.choice(refs)
+        name, state = ref.path.split("/")[1], ref.path.split("/")[2]
+        whole = np.asarray(array_from_manifest(ckpt.store, ref)[...]).reshape(-1)
+        numel = whole.size
+        fresh = ucformat.open(tmp_path / "s")  # fresh index cache
+        before = (fresh.stats.bytes_read, fresh.stats.requests)
+        if trial % 2:  # a flat range (a ZeRO partition)
+            start = rng.randrange(numel)
+            stop = rng.randint(start + 1, numel)
+            got = fresh.read_range(name, state, start, stop)
+            expected = whole[start:stop]
+            cost = range_read_cost(ref.shape, ref.chunk_shape, ref.shard_shape, 4, [(start, stop)])
+        else:  # a DTensor local shard: a box as one run per row
+            rows, cols = ref.shape
+            r0, c0 = rng.randrange(rows), rng.randrange(cols)
+            box = ((r0, rng.randint(r0 + 1, rows)), (c0, rng.randint(c0 + 1, cols)))
+            runs = local_runs(tuple(ref.shape), tuple((iv,) for iv in box))
+            got = fresh.read_runs(name, state, runs)
+            expected = np.concatenate([whole[r.start : r.start + r.length] for r in runs])
+            spans = [(r.start, r.start + r.length) for r in runs]
+            cost = runs_read_cost(ref.shape, ref.chunk_shape, ref.shard_shape, 4, spans)
+        assert np.array_equal(got.numpy(), expected), (ref.path, trial)
+        if compressor == "none":
+            assert fresh.stats.bytes_read - before[0] == cost.total, (ref.path, trial)
+            assert fresh.stats.requests - before[1] == cost.requests, (ref.path, trial)
+
+
+def test_box_runs_read_only_their_columns(tmp_path: Path) -> None:
+    """A column half of a box-chunked matrix fetches about half of its chunks."""
+    ckpt = _write(tmp_path / "s", BOX)
+    ref = max(
+        (r for r in _refs(ckpt) if not is_flat_chunking(r.shape, r.chunk_shape)),
+        key=lambda r: prod(r.shape),
+    )
+    rows, cols = ref.shape
+    runs: list[Run] = local_runs(tuple(ref.shape), (((0, rows),), ((0, cols // 2),)))
+    spans = [(r.start, r.start + r.length) for r in runs]
+    half = runs_read_cost(ref.shape, ref.chunk_shape, ref.shard_shape, 4, spans)
+    whole = range_read_cost(ref.shape, ref.chunk_shape, ref.shard_shape, 4, [(0, rows * cols)])
+    assert half.data_bytes * 2 <= whole.data_bytes * 1.2
+    assert len(flat_range_to_boxes(ref.shape, 0, rows * cols)) == 1
