@@ -1,14 +1,16 @@
-"""Read amplification of tensor-parallel loads: row-chunked arrays vs tiled chunks (simulated).
+"""Read amplification of tensor-parallel loads: row chunks, square tiles and box chunks.
 
 For LLaMA-7B-like and 70B-like matrices split as TP (and FSDP2 + TP) does, the bytes one rank
-fetches to read its box, over the bytes it needs (fp32), with the store's default chunking
-(``choose_chunking``: 64 KiB flat-contiguous chunks, i.e. whole rows or pieces of one row) and
-with a proposed tiled chunk of 128 x 128 elements (64 KiB of fp32). Data bytes only: shard
-indexes add the same small fraction to both (docs/benchmarks.md, "Simulated scale").
+fetches to read its box, over the bytes it needs (fp32), with three chunkings: flat-contiguous
+64 KiB chunks (``ChunkPolicy(tp_max=1)``: whole rows or pieces of one row, the layout before box
+chunks), square 128 x 128 tiles (64 KiB of fp32), and the store's default (``choose_chunking``:
+box chunks of ``C / 8`` columns, docs/format.md §2.2). Data bytes only: shard indexes add the
+same small fraction to all (docs/benchmarks.md, "Simulated scale").
 
 Python: ``rows(...)``; command line: ``python -m tests.bench.tp_read_amp --markdown``. The
-default-chunking model is checked against ``ucformat.layout.reads.range_read_cost`` (what the
-loader's reads are checked against byte for byte) on every small case it prints.
+default column is the real read planner (``ucformat.layout.reads.runs_read_cost``, what the
+loader's reads are checked against byte for byte); the row-chunk model is checked against it on
+every small case it prints.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from collections.abc import Sequence
 
 from ucformat.layout.chunking import ChunkPolicy, choose_chunking, chunk_aligned_range
 from ucformat.layout.placements import Placement, local_box, local_intervals, local_runs, merge_runs
-from ucformat.layout.reads import CRC_BYTES, range_read_cost
+from ucformat.layout.reads import CRC_BYTES, range_read_cost, runs_read_cost
 
 ITEM = 4
 TILE = (128, 128)
@@ -70,15 +72,6 @@ def _tiled(offsets: Sequence[int], sizes: Sequence[int], tile: Sequence[int] = T
     return tiles * (tile[0] * tile[1] * ITEM + CRC_BYTES)
 
 
-def aligned_tile(shape: Sequence[int], tp: int = 8, dp: int = 64, limit: int = 65536) -> tuple:
-    """The proposed tile: ``C / tp`` columns (a rowwise shard's width at the largest tp) and
-    the rows of one FSDP2 + TP row piece at the largest ``tp x dp``, cut down to ``limit``
-    bytes."""
-    cols = math.ceil(shape[1] / tp)
-    piece = math.ceil(math.ceil(shape[0] / tp) / dp)
-    return max(1, min(piece, limit // (cols * ITEM))), cols
-
-
 def _planner_bytes(shape: Sequence[int], chunking: object, offsets: Sequence[int],
                    sizes: Sequence[int]) -> int:  # fmt: skip
     intervals = tuple(((o, o + s),) for o, s in zip(offsets, sizes, strict=True))
@@ -89,32 +82,40 @@ def _planner_bytes(shape: Sequence[int], chunking: object, offsets: Sequence[int
     return range_read_cost(shape, chunk, shard, ITEM, ranges).data_bytes
 
 
+def _box_bytes(shape: Sequence[int], chunking: object, offsets: Sequence[int],
+               sizes: Sequence[int]) -> int:  # fmt: skip
+    """Data bytes the real planner says one read of the box's runs fetches."""
+    intervals = tuple(((o, o + s),) for o, s in zip(offsets, sizes, strict=True))
+    runs = [(r.start, r.start + r.length) for r in local_runs(shape, intervals)]
+    chunk, shard = chunking.chunk_shape, chunking.shard_shape  # type: ignore[attr-defined]
+    return runs_read_cost(shape, chunk, shard, ITEM, runs).data_bytes
+
+
 def rows(tps: Sequence[int] = (2, 4, 8), dps: Sequence[int] = (1, 8, 64)) -> list[list[str]]:
-    """One table row per matrix and dp: amplification at each tp, default and tiled."""
-    policy = ChunkPolicy()
+    """One table row per matrix and dp: amplification at each tp, for the three chunkings."""
+    flat_policy, policy = ChunkPolicy(tp_max=1), ChunkPolicy()
     out = []
     for name, shape, tp_dim in MATRICES:
-        chunking = choose_chunking(shape, ITEM, policy)
+        flat = choose_chunking(shape, ITEM, flat_policy)
+        boxed = choose_chunking(shape, ITEM, policy)
         for dp in dps:
-            tile = aligned_tile(shape)
-            chunks = f"{'x'.join(map(str, chunking.chunk_shape))}, {tile[0]}x{tile[1]}"
+            chunks = (
+                f"{'x'.join(map(str, flat.chunk_shape))}, {'x'.join(map(str, boxed.chunk_shape))}"
+            )
             cells = [name, chunks, str(dp)]
             for tp in tps:
-                needed = fetched = tiled = aligned = 0
-                tile = aligned_tile(shape)
+                needed = fetched = tiled = box = 0
                 for coord in ((0, 0), (dp - 1, tp - 1), (dp // 2, tp // 2)):
                     offsets, sizes = _box(shape, tp_dim, tp, dp, coord)
                     needed += math.prod(sizes) * ITEM
-                    fetched += _row_chunked(shape, chunking.chunk_shape, offsets, sizes)
+                    fetched += _row_chunked(shape, flat.chunk_shape, offsets, sizes)
                     tiled += _tiled(offsets, sizes)
-                    aligned += _tiled(offsets, sizes, tile)
+                    box += _box_bytes(shape, boxed, offsets, sizes)
                     if math.prod(sizes) * ITEM <= 8 << 20:  # check the model on small boxes
-                        want = _planner_bytes(shape, chunking, offsets, sizes)
-                        got = _row_chunked(shape, chunking.chunk_shape, offsets, sizes)
+                        want = _planner_bytes(shape, flat, offsets, sizes)
+                        got = _row_chunked(shape, flat.chunk_shape, offsets, sizes)
                         assert got == want, (name, dp, tp, coord, got, want)
-                cells.append(
-                    f"{fetched / needed:.2f} / {tiled / needed:.2f} / {aligned / needed:.2f}"
-                )
+                cells.append(f"{fetched / needed:.2f} / {tiled / needed:.2f} / {box / needed:.2f}")
             out.append(cells)
     return out
 
@@ -125,9 +126,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--markdown", action="store_true")
     parser.parse_args(argv)
     tps = (2, 4, 8)
-    print(
-        "| matrix | default chunk, aligned tile | dp | " + " | ".join(f"tp={t}" for t in tps) + " |"
-    )
+    print("| matrix | row chunk, box chunk | dp | " + " | ".join(f"tp={t}" for t in tps) + " |")
     print("|---|---|---|" + "---|" * len(tps))
     for cells in rows(tps):
         print("| " + " | ".join(cells) + " |")

@@ -8,10 +8,12 @@ Two kinds of inner chunk (docs/format.md §2.2):
   gets these, except
 * a *box chunk* ``(r, c)`` for a matrix of at least :attr:`ChunkPolicy.box_min_bytes`:
   ``c = ceil(C / tp_max)`` columns (a row-wise tensor-parallel slice at the largest expected
-  TP degree, or an equal part of it when that alone exceeds the chunk target) by the rows of
-  one FSDP2 + TP row piece at ``tp_max x dp_max`` (``ceil(ceil(R / tp_max) / dp_max)``), kept
-  between a sixteenth of the chunk target and the target. Column slices (``Shard(1)``) and row
-  slices (``Shard(0)``, FSDP2, ZeRO) of such a matrix both read whole chunks.
+  TP degree, or an equal part of it when that alone exceeds the chunk target) by ``r`` rows,
+  between a sixteenth of the chunk target and the target: the largest ``r`` whose FSDP2 and
+  FSDP2 + TP row pieces (``tp`` and ``dp`` powers of two up to ``tp_max`` and ``dp_max``)
+  read on average at most :data:`BOX_ROW_TARGET` of the rows they need. Column slices
+  (``Shard(1)``) and row slices (``Shard(0)``, FSDP2, ZeRO) of such a matrix then read about
+  what they need.
 
 Shards are flat-contiguous in both cases (whole rows of a box-chunked matrix), so
 
@@ -26,6 +28,7 @@ over-read at partition boundaries), ``shard_bytes`` the number of storage object
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -160,10 +163,81 @@ def box_chunk_shape(
         parts = ceil_div(cols * itemsize, policy.chunk_bytes)
         return 1, ceil_div(cols, parts)
     row_bytes = cols * itemsize
-    piece = ceil_div(ceil_div(rows, policy.tp_max), policy.dp_max)
     low = ceil_div(max(1, policy.chunk_bytes // BOX_MIN_FRACTION), row_bytes)
-    high = max(1, policy.chunk_bytes // row_bytes)
-    return min(high, max(piece, low), rows), cols
+    high = max(low, policy.chunk_bytes // row_bytes)
+    return _box_rows(rows, min(low, rows), min(high, rows), policy.tp_max, policy.dp_max), cols
+
+
+#: Box chunk rows are the largest whose row pieces read at most this much over what they need.
+BOX_ROW_TARGET = 1.1
+
+
+def _row_pieces(rows: int, tp_max: int, dp_max: int) -> list[list[tuple[int, int]]]:
+    """The row pieces of FSDP2 (``dp`` pieces of all rows) and FSDP2 + TP (``tp`` blocks, then
+    ``dp`` pieces of each) at every power of two up to ``tp_max`` and ``dp_max``."""
+    layouts = []
+    tp = 1
+    while tp <= tp_max:
+        dp = 1
+        while dp <= dp_max:
+            pieces = []
+            block = ceil_div(rows, tp)
+            for first in range(0, rows, block):
+                end = min(rows, first + block)
+                step = ceil_div(end - first, dp)
+                pieces += [(a, min(end, a + step)) for a in range(first, end, step)]
+            layouts.append(pieces)
+            dp *= 2
+        tp *= 2
+    return layouts
+
+
+def _candidates(low: int, high: int) -> list[int]:
+    """Row counts in ``[low, high]`` worth trying, largest first: every one in a short range,
+    else ``2^k x m`` for odd ``m <= 7`` (they divide the row pieces of powers-of-two layouts)."""
+    if high - low <= 16:
+        return list(range(high, low - 1, -1))
+    found = {high, low}
+    for odd in (1, 3, 5, 7):
+        value = odd
+        while value <= high:
+            if value >= low:
+                found.add(value)
+            value *= 2
+    return sorted(found, reverse=True)
+
+
+@functools.lru_cache(maxsize=256)
+def _box_rows(rows: int, low: int, high: int, tp_max: int, dp_max: int) -> int:
+    """The chunk rows in ``[low, high]``: the largest whose worst layout (mean over its pieces
+    of fetched rows / needed rows) is within :data:`BOX_ROW_TARGET`, else the best one."""
+    # layouts whose pieces are shorter than the smallest chunk cannot be helped: left out
+    layouts = [
+        pieces
+        for pieces in _row_pieces(rows, tp_max, dp_max)
+        if min(b - a for a, b in pieces) >= low
+    ]
+    if not layouts:
+        return high
+
+    def cost(size: int) -> float:
+        worst = 0.0
+        for pieces in layouts:
+            total = sum(
+                (min(rows, ceil_div(b, size) * size) - a // size * size) / (b - a)
+                for a, b in pieces
+            )
+            worst = max(worst, total / len(pieces))
+        return worst
+
+    best, best_cost = high, cost(high)
+    for size in _candidates(low, high):
+        found = cost(size) if size != high else best_cost
+        if found <= BOX_ROW_TARGET:
+            return size
+        if found < best_cost:
+            best, best_cost = size, found
+    return best
 
 
 def shard_block(

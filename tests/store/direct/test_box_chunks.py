@@ -180,3 +180,34 @@ def test_box_runs_read_only_their_columns(tmp_path: Path) -> None:
     whole = range_read_cost(ref.shape, ref.chunk_shape, ref.shard_shape, 4, [(0, rows * cols)])
     assert half.data_bytes * 2 <= whole.data_bytes * 1.2
     assert len(flat_range_to_boxes(ref.shape, 0, rows * cols)) == 1
+
+
+def test_row_parallel_fragments_read_their_columns(tmp_path: Path) -> None:
+    """A DeepSpeed AutoTP row-parallel slice (one fragment per row) of a box-chunked matrix is
+    read in one read of its chunks, straight into the flat partition (``read_flat_state``)."""
+    from ucformat.layout.partition import Fragment
+    from ucformat.read.partitions import FlatTarget, ReadTally, read_flat_state
+
+    _write(tmp_path / "s", BOX)
+    ckpt = ucformat.open(tmp_path / "s")
+    ref = max(
+        (r for r in _refs(ckpt) if not is_flat_chunking(r.shape, r.chunk_shape)),
+        key=lambda r: prod(r.shape),
+    )
+    name = ref.path.split("/")[1]
+    rows, cols = ref.shape
+    half = cols // 2
+    fragments = [Fragment(name, 0, row * cols + half, 3 + row * (cols - half), cols - half)
+                 for row in range(rows)]  # fmt: skip
+    numel = 3 + rows * (cols - half)
+    target = FlatTarget(0, 0, None, 0, numel)  # type: ignore[arg-type]
+    tally = ReadTally()
+    before = (ckpt.stats.bytes_read, ckpt.stats.requests)
+    values = read_flat_state(ckpt, target, fragments, "fp32", tally).numpy()
+    fetched = (ckpt.stats.bytes_read - before[0], ckpt.stats.requests - before[1])
+    whole = ckpt.read(name, "fp32").numpy()
+    assert np.array_equal(values[3:].reshape(rows, cols - half), whole[:, half:])
+    assert not values[:3].any()
+    planned = tally.planned()
+    assert fetched == (planned.total, planned.requests)
+    assert planned.data_bytes < 0.75 * ref.nbytes * (1 + 4 / prod(ref.chunk_shape))
