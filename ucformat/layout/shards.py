@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from math import prod
 
-from ucformat.layout.grid import chunk_box
+from ucformat.layout.chunking import is_flat_chunking
 from ucformat.layout.partition import ceil_div
 
 __all__ = ["ABSENT", "CRC_BYTES", "ChunkSlot", "INDEX_ENTRY_BYTES", "ShardLayout", "box_runs",
@@ -50,14 +50,14 @@ class ChunkSlot:
     offset: int
     #: The chunk's part inside the array (global element coordinates).
     box: tuple[slice, ...] = ()
-    #: Its runs of consecutive array elements: ``(flat start, element position in the stored
-    #: chunk, length)``; one run for a flat-contiguous chunk.
-    runs: tuple[tuple[int, int, int], ...] = ()
+    #: Whether the chunk is one run of the array stored from its first element (the chunks
+    #: are flat-contiguous); then ``runs`` is that run, else empty (:func:`box_runs` gives them).
+    contiguous: bool = True
 
     @property
-    def contiguous(self) -> bool:
-        """Whether the chunk is one run of the array stored from its first element."""
-        return len(self.runs) == 1
+    def runs(self) -> tuple[tuple[int, int, int], ...]:
+        """The run of a flat-contiguous chunk ``((flat start, 0, length),)``; else empty."""
+        return ((self.flat_start, 0, self.length),) if self.contiguous else ()
 
 
 @dataclass(frozen=True)
@@ -156,20 +156,25 @@ def _shard_layout(
     per_shard = tuple(s // c for s, c in zip(shards, chunks, strict=True))
     grid = tuple(ceil_div(d, c) for d, c in zip(dims, chunks, strict=True))
     chunk_nbytes = prod(chunks) * itemsize
+    flat = is_flat_chunking(dims, chunks)
+    corner = [s * p for s, p in zip(shard, per_shard, strict=True)]
     slots: list[ChunkSlot] = []
     offset = 0
     for local in morton_order(per_shard):
-        coords = tuple(s * p + c for s, p, c in zip(shard, per_shard, local, strict=True))
-        if any(c >= g for c, g in zip(coords, grid, strict=True)):
-            continue  # outside the array: zarr stores nothing for it
-        box = chunk_box(dims, chunks, coords)
-        first = 0
-        for dim, piece in zip(dims, box, strict=True):
-            first = first * dim + piece.start
-        length = prod(piece.stop - piece.start for piece in box)
-        runs = box_runs(dims, chunks, box)
-        slots.append(ChunkSlot(local, first, length, offset, box, runs))
-        offset += chunk_nbytes + CRC_BYTES
+        box = []
+        first, length = 0, 1
+        for base, c, grid_extent, size, dim in zip(corner, local, grid, chunks, dims, strict=True):
+            coord = base + c
+            if coord >= grid_extent:
+                break  # outside the array: zarr stores nothing for it
+            low = coord * size
+            high = min(low + size, dim)
+            box.append(slice(low, high))
+            first = first * dim + low
+            length *= high - low
+        else:
+            slots.append(ChunkSlot(local, first, length, offset, tuple(box), flat))
+            offset += chunk_nbytes + CRC_BYTES
     return ShardLayout(per_shard, chunk_nbytes, tuple(slots), offset)
 
 

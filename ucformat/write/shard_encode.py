@@ -29,7 +29,15 @@ import numpy as np
 
 from ucformat.format.dtypes import itemsize, torch_to_storage
 from ucformat.format.models import ArrayRef
-from ucformat.layout.shards import ABSENT, CRC_BYTES, ChunkSlot, ShardLayout, shard_layout
+from ucformat.layout.chunking import is_flat_chunking
+from ucformat.layout.shards import (
+    ABSENT,
+    CRC_BYTES,
+    ChunkSlot,
+    ShardLayout,
+    box_runs,
+    shard_layout,
+)
 from ucformat.sysio.fileio import pwrite_all
 from ucformat.write.plan import CopyItem, WriteUnit
 
@@ -66,6 +74,10 @@ class ShardEncoder:
         self.flat_start = unit.flat_start
         self.copies: tuple[CopyItem, ...] = tuple(sorted(unit.copies, key=lambda c: c.offset))
         self._copy_starts = [unit.flat_start + copy.offset for copy in self.copies]
+        #: A matrix in box chunks: filled through a staging band of whole rows (``_fill_rows``).
+        self._boxed = len(ref.shape) == 2 and not is_flat_chunking(ref.shape, ref.chunk_shape)
+        self._shape = tuple(ref.shape)
+        self._chunk = tuple(ref.chunk_shape)
 
     @property
     def stored(self) -> int:
@@ -93,6 +105,10 @@ class ShardEncoder:
         the copies that hold it.
         """
         base, item, chunk = slots[0].offset, self.item, self.layout.chunk_nbytes
+        if self._boxed:
+            self._fill_rows(buffer, slots)
+            self._checksums(buffer, slots)
+            return
         reads: dict[int, list[tuple[int, int, memoryview]]] = {}
         for slot in sorted(slots, key=lambda s: s.flat_start):
             at = slot.offset - base
@@ -101,7 +117,8 @@ class ShardEncoder:
                     buffer[at + slot.length * item : at + chunk] = bytes(chunk - slot.length * item)
                 else:
                     buffer[at : at + chunk] = bytes(chunk)
-            for flat, position, length in slot.runs:
+            runs = slot.runs or box_runs(self._shape, self._chunk, slot.box)
+            for flat, position, length in runs:
                 stop = flat + length
                 index = max(0, bisect.bisect_right(self._copy_starts, flat) - 1)
                 while index < len(self.copies) and self._copy_starts[index] < stop:
@@ -116,10 +133,44 @@ class ShardEncoder:
         for index, pieces in reads.items():
             pieces.sort(key=lambda piece: piece[0])
             self._read(self.copies[index], self._copy_starts[index], pieces)
+        self._checksums(buffer, slots)
+
+    def _checksums(self, buffer: memoryview, slots: Sequence[ChunkSlot]) -> None:
+        base, chunk = slots[0].offset, self.layout.chunk_nbytes
         for slot in slots:
             at = slot.offset - base
             checksum = crc32c.crc32c(buffer[at : at + chunk])
             buffer[at + chunk : at + chunk + CRC_BYTES] = checksum.to_bytes(4, "little")
+
+    def _fill_rows(self, buffer: memoryview, slots: Sequence[ChunkSlot]) -> None:
+        """Box chunks of a matrix: read the whole rows the slots span into a staging band (one
+        read per copy), then copy each chunk's block out of it (a window of whole rows of
+        chunks, as :meth:`windows` gives, stages exactly its own rows)."""
+        item, columns = self.item, self._shape[1]
+        first = min(slot.box[0].start for slot in slots)
+        last = max(slot.box[0].stop for slot in slots)
+        start, stop = first * columns, last * columns
+        staging = np.empty((stop - start) * item, dtype=np.uint8)
+        view = memoryview(staging)
+        index = max(0, bisect.bisect_right(self._copy_starts, start) - 1)
+        while index < len(self.copies) and self._copy_starts[index] < stop:
+            low = max(start, self._copy_starts[index])
+            high = min(stop, self._copy_starts[index] + self.copies[index].length)
+            if low < high:
+                piece = view[(low - start) * item : (high - start) * item]
+                self._read(self.copies[index], self._copy_starts[index], [(low, high, piece)])
+            index += 1
+        band = staging.reshape(last - first, columns * item)
+        out = np.frombuffer(buffer, dtype=np.uint8)
+        base, chunk = slots[0].offset, self.layout.chunk_nbytes
+        rows, cols = self._chunk
+        for slot in slots:
+            at = slot.offset - base
+            target = out[at : at + chunk].reshape(rows, cols * item)
+            (a, b), (c, d) = ((p.start, p.stop) for p in slot.box)
+            if b - a < rows or d - c < cols:  # an edge chunk: padding holds the fill value 0
+                target[...] = 0
+            target[: b - a, : (d - c) * item] = band[a - first : b - first, c * item : d * item]
 
     def _read(
         self, copy: CopyItem, copy_start: int, pieces: list[tuple[int, int, memoryview]]

@@ -16,7 +16,7 @@ from zarr.storage import MemoryStore
 
 from ucformat.format.models import ArrayRef
 from ucformat.layout.chunking import ChunkPolicy, choose_chunking
-from ucformat.layout.shards import morton_order, shard_layout
+from ucformat.layout.shards import box_runs, morton_order, shard_layout
 from ucformat.sources.base import ArraySource, SourceFragment
 from ucformat.store.arrays import chunk_key, create_array, write_region
 from ucformat.store.keys import read_key
@@ -43,7 +43,8 @@ def test_layout_skips_chunks_outside_the_array() -> None:
 def test_box_chunks_are_runs_of_rows() -> None:
     # a box chunk (2, 2) of a (4, 4) array: one run per row, each at its row of the chunk
     layout = shard_layout((4, 4), (2, 2), (4, 4), 4, (0, 0))
-    assert [(s.local, s.runs) for s in layout.slots] == [
+    assert not any(s.contiguous or s.runs for s in layout.slots)
+    assert [(s.local, box_runs((4, 4), (2, 2), s.box)) for s in layout.slots] == [
         ((0, 0), ((0, 0, 2), (4, 2, 2))),
         ((1, 0), ((8, 0, 2), (12, 2, 2))),
         ((0, 1), ((2, 0, 2), (6, 2, 2))),
@@ -51,7 +52,7 @@ def test_box_chunks_are_runs_of_rows() -> None:
     ]
     # an edge box chunk clipped by the array keeps its stored row pitch
     edge = shard_layout((3, 5), (2, 3), (4, 6), 4, (0, 0))
-    assert [s.runs for s in edge.slots] == [
+    assert [box_runs((3, 5), (2, 3), s.box) for s in edge.slots] == [
         ((0, 0, 3), (5, 3, 3)), ((10, 0, 3),), ((3, 0, 2), (8, 3, 2)), ((13, 0, 2),)
     ]  # fmt: skip
 

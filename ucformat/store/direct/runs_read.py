@@ -184,6 +184,8 @@ class _Shard:
     coords: tuple[int, ...]
     layout: ShardLayout
     runs: list[_Chunks]
+    #: The array's shape.
+    layout_shape: tuple[int, ...] = ()
 
     def chunk(self, slot: ChunkSlot) -> str:
         """``chunk (3, 0) (elements [48, 64))``, as the flat path describes a chunk."""
@@ -192,8 +194,10 @@ class _Shard:
             s * n + c for s, n, c in zip(self.coords, per_shard, slot.local, strict=True)
         )
         where = "(" + ", ".join(map(str, coords)) + ")"
-        last = slot.runs[-1][0] + slot.runs[-1][2] if slot.runs else slot.flat_start
-        return f"chunk {where} (elements [{slot.flat_start}, {last}))"
+        last = 0
+        for dim, piece in zip(self.layout_shape, slot.box, strict=True):
+            last = last * dim + piece.stop - 1
+        return f"chunk {where} (elements [{slot.flat_start}, {last + 1}))"
 
 
 def _corrupt(problem: str) -> DirectRead:
@@ -256,7 +260,7 @@ def _shards(
         if isinstance(entries, DirectRead):
             yield entries
             return
-        shard = _Shard(key, coords, layout, [])
+        shard = _Shard(key, coords, layout, [], tuple(ref.shape))
         stored = layout.chunk_nbytes + CRC_BYTES
         data_end = math.prod(per_shard) * stored + layout.index_nbytes
         found: _Chunks = []
