@@ -151,7 +151,7 @@ class ShardEncoder:
         last = max(slot.box[0].stop for slot in slots)
         start, stop = first * columns, last * columns
         staging = np.empty((stop - start) * item, dtype=np.uint8)
-        view = memoryview(staging)
+        view = staging.data
         index = max(0, bisect.bisect_right(self._copy_starts, start) - 1)
         while index < len(self.copies) and self._copy_starts[index] < stop:
             low = max(start, self._copy_starts[index])
