@@ -211,3 +211,23 @@ def test_row_parallel_fragments_read_their_columns(tmp_path: Path) -> None:
     planned = tally.planned()
     assert fetched == (planned.total, planned.requests)
     assert planned.data_bytes < 0.75 * ref.nbytes * (1 + 4 / prod(ref.chunk_shape))
+
+
+def test_box_chunk_damage_is_an_error_naming_the_chunk(tmp_path: Path) -> None:
+    from ucformat.errors import CorruptDataError
+
+    ckpt = _write(tmp_path / "s", BOX)
+    ref = next(r for r in _refs(ckpt) if not is_flat_chunking(r.shape, r.chunk_shape))
+    name, state = ref.path.split("/")[1], ref.path.split("/")[2]
+    shard = tmp_path / "s" / ref.path / "c" / "0" / "0"
+    data = bytearray(shard.read_bytes())
+    data[5] ^= 0xFF  # inside the first stored chunk
+    shard.write_bytes(bytes(data))
+    fresh = ucformat.open(tmp_path / "s")
+    with pytest.raises(CorruptDataError, match="chunk"):
+        fresh.read(name, state)
+    rows, cols = ref.shape
+    runs = local_runs(tuple(ref.shape), (((0, rows),), ((0, cols),)))
+    with pytest.raises(CorruptDataError, match="chunk"):
+        fresh.read_runs(name, state, runs)
+    assert not ucformat.verify(tmp_path / "s").ok
