@@ -76,7 +76,7 @@ def convert_command(
         int | None,
         typer.Option(
             help="Largest tensor-parallel degree loads stay lean at: matrices of 1 MiB or more "
-            "get box chunks of columns/TP_MAX columns [default: 8]; 1: flat chunks only.",
+            "get box chunks of columns/N columns [default: 8]; 1: flat chunks only.",
             min=1,
         ),
     ] = None,
