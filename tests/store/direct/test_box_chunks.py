@@ -231,3 +231,27 @@ def test_box_chunk_damage_is_an_error_naming_the_chunk(tmp_path: Path) -> None:
     with pytest.raises(CorruptDataError, match="chunk"):
         fresh.read_runs(name, state, runs)
     assert not ucformat.verify(tmp_path / "s").ok
+
+
+def test_flat_stores_read_as_before(tmp_path: Path) -> None:
+    """A store with flat-contiguous chunks only (every store before box chunks; ``tp_max=1``)
+    reads through the flat path: the runs' chunk-widened spans merged, the cost model's flat
+    rule, the values of zarr."""
+    ckpt = _write(tmp_path / "s", ChunkPolicy(64, 512, tp_max=1))
+    refs = _refs(ckpt)
+    assert all(is_flat_chunking(r.shape, r.chunk_shape) for r in refs)
+    rng = random.Random(4)
+    for ref in [r for r in refs if len(r.shape) == 2]:
+        name, state = ref.path.split("/")[1], ref.path.split("/")[2]
+        rows, cols = ref.shape
+        c0 = rng.randrange(cols)
+        runs = local_runs(tuple(ref.shape), (((0, rows),), ((c0, cols),)))
+        fresh = ucformat.open(tmp_path / "s")
+        before = (fresh.stats.bytes_read, fresh.stats.requests)
+        got = fresh.read_runs(name, state, runs).numpy()
+        fetched = (fresh.stats.bytes_read - before[0], fresh.stats.requests - before[1])
+        whole = np.asarray(array_from_manifest(fresh.store, ref)[...])
+        assert np.array_equal(got.reshape(rows, cols - c0), whole[:, c0:])
+        spans = [(r.start, r.start + r.length) for r in runs]
+        cost = runs_read_cost(ref.shape, ref.chunk_shape, ref.shard_shape, 4, spans)
+        assert fetched == (cost.total, cost.requests)
