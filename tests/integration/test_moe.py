@@ -92,6 +92,8 @@ LOADS: tuple[tuple[str, int, int, int], ...] = (
     ("ep2-z2-top2-ws4", 2, 2, 1),  # ep2 x dp2 -> ep2 x dp1
     ("ep2-z0-top1-ws2", 4, 2, 2),  # ep2 x dp1 (ZeRO-0) -> ep2 x dp2
     ("ep2-z2-top2-ws4", 4, 4, 1),  # ep2 -> ep4
+    ("ep2-z1-top2-ws2", 2, 1, 0),  # ep2 -> ep1 x dp2 into a ZeRO-0 engine
+    ("ep2-z2-top2-ws4", 4, 4, 0),  # ep2 x dp2 -> ep4 into a ZeRO-0 engine
 )
 
 

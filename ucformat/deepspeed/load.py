@@ -32,6 +32,7 @@ from ucformat.deepspeed.engine import EngineView, describe_engine
 from ucformat.deepspeed.experts import held_elsewhere
 from ucformat.deepspeed.pipeline import other_stage_names
 from ucformat.deepspeed.tensor_parallel import logical_fragments, shard_maps
+from ucformat.deepspeed.unpartitioned import describe_unpartitioned, is_unpartitioned
 from ucformat.errors import ModelMismatchError, UCFormatError
 from ucformat.format.models import CheckpointManifest
 from ucformat.format.names import model_named
@@ -116,7 +117,7 @@ def load(
     started = time.perf_counter()
     ckpt = store if isinstance(store, UniversalCheckpoint) else open_checkpoint(store)
     before, requests_before = ckpt.stats.bytes_read, ckpt.stats.requests
-    view = describe_engine(engine)
+    view = describe_unpartitioned(engine) if is_unpartitioned(engine) else describe_engine(engine)
     view.shard_maps = shard_maps(engine)
     manifest = ckpt.manifest
     report = LoadReport()
@@ -253,9 +254,9 @@ def _read_partitions(
 
 
 def _live_states(view: EngineView, index: int, keys: list[str]) -> dict[str, torch.Tensor]:
-    """The optimizer's existing state tensors of flat group ``index`` (those it has)."""
+    """The optimizer's existing state tensors of flat group ``index`` (those it has), flat."""
     state = view.base_optimizer.state.get(view.state_key(index), {})
-    return {key: state[key] for key in keys if isinstance(state.get(key), torch.Tensor)}
+    return {key: state[key].reshape(-1) for key in keys if isinstance(state.get(key), torch.Tensor)}
 
 
 def _has(manifest: CheckpointManifest, name: str) -> bool:
@@ -393,7 +394,7 @@ def _restore_optimizer(
         state = optimizer.state[key]
         state.clear()
         for name, value in states.items():
-            state[name] = value.to(key.device)
+            state[name] = value.to(key.device).reshape(key.shape)  # ZeRO-0: param-shaped
         steps = {
             repr(scalar_value(manifest.params[manifest.resolve(n)].scalars[STEP_STATE]))
             for n in target.names
