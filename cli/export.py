@@ -217,6 +217,15 @@ def deepspeed_command(
             min=1,
         ),
     ] = 1,
+    ep_size: Annotated[
+        int | None,
+        typer.Option(
+            "--ep-size",
+            help="MoE stores: expert-parallel size of that job (default: the source's); "
+            "writes DeepSpeed's expert files (docs/exports.md).",
+            min=1,
+        ),
+    ] = None,
 ) -> None:
     """A native DeepSpeed ZeRO checkpoint that a stock engine.load_checkpoint(OUT) loads.
 
@@ -255,6 +264,7 @@ def deepspeed_command(
             remove_previous=remove_previous,
             dry_run=dry_run,
             hooks=hooks,
+            ep_size=ep_size,
         ),
     )
 
