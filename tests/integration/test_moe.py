@@ -103,6 +103,8 @@ NATIVE: tuple[tuple[str, int, int, int], ...] = (
     ("ep2-z2-top2-ws4", 2, 1, 1),  # ep2 x dp2 -> ep1 x dp2
     ("ep2-z1-top2-ws2", 4, 2, 2),  # ep2 x dp1 -> ep2 x dp2, ZeRO-1 -> 2
     ("ep1-z1-top1-ws2", 2, 2, 1),  # ep1 -> ep2
+    ("ep2-z2-top2-ws4", 2, 1, 0),  # ep2 x dp2 -> ep1 x dp2 at ZeRO-0 (expp_rank_* files)
+    ("ep2-z1-top2-ws2", 4, 2, 0),  # ep2 x dp1 -> ep2 x dp2 at ZeRO-0
 )
 
 

@@ -2,8 +2,8 @@
 
 The output is what DeepSpeed 0.19.8 writes from ``engine.save_checkpoint(out, tag)`` in a job of
 ``world_size`` ranks whose native MoE layers (``deepspeed.moe.layer.MoE``) run at ``ep_size``,
-ZeRO stage 1 or 2, fp32 (``DeepSpeedZeroOptimizer``), so that a stock
-``engine.load_checkpoint(out)`` there restores weights, fp32 masters, Adam moments and step:
+ZeRO stage 0, 1 or 2, fp32, so that a stock ``engine.load_checkpoint(out)`` there restores
+weights, fp32 masters, Adam moments and step:
 
 * ``layer_{L}_expert_{E}_mp_rank_00_model_states.pt``: MoE layer ``L``'s global expert ``E``,
   keyed by its global name (DeepSpeed renames the id to the local one on load);
@@ -13,7 +13,10 @@ ZeRO stage 1 or 2, fp32 (``DeepSpeedZeroOptimizer``), so that a stock
   ``r``'s ZeRO partition over all ``world_size`` ranks; group 1 (experts, named
   ``ep_size_<ep>``) holds the experts of ``r``'s EP rank (``r mod ep_size``: DeepSpeed's default
   rank order), partitioned over its ``world_size / ep_size`` expert-data-parallel ranks, under
-  their *local* names, as DeepSpeed keeps them.
+  their *local* names, as DeepSpeed keeps them (ZeRO-1/2, ``DeepSpeedZeroOptimizer``);
+* ZeRO-0 instead: ``expp_rank_{e}_mp_rank_00_optim_states.pt`` per EP rank ``e``, the torch
+  optimizer's ``state_dict()`` of a rank with EP rank ``e`` (dense parameters, then ``e``'s
+  experts; param-shaped states), also stored as ``optimizer`` in the model states (EP rank 0's).
 
 Each file is built from exactly the ranges it holds (:mod:`ucformat.layout.partition`, the
 layout math the dense export uses); ``latest`` is written last.
@@ -22,7 +25,7 @@ layout math the dense export uses); ``latest`` is written last.
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -82,6 +85,11 @@ class ExpertsPlan:
         return name if parts is None else with_expert_id(name, parts[1] % self.ranks.num_local)
 
 
+def expp_file(ep_rank: int) -> str:
+    """ZeRO-0 MoE optimizer-states file of EP rank ``ep_rank``."""
+    return f"expp_rank_{ep_rank}_mp_rank_00_optim_states.pt"
+
+
 def _refuse(what: str) -> UnsupportedExportError:
     return UnsupportedExportError(f"'export deepspeed' of an MoE store: {what}")
 
@@ -129,12 +137,16 @@ def plan_deepspeed_experts(
     """
     if manifest.experts is None:
         raise _refuse("this store holds no MoE experts; use 'export deepspeed' without --ep-size.")
-    if stage not in (1, 2):
-        raise _refuse(f"ZeRO stage {stage} targets are not written; expected 1 or 2.")
+    if stage not in (0, 1, 2):
+        raise _refuse(f"ZeRO stage {stage} targets are not written; expected 0, 1 or 2.")
     dtype_name = None if dtype is None else str(dtype).removeprefix("torch.")
     target = native_target(
-        manifest, world_size=world_size, stage=stage, dtype=dtype_name, ds_config=ds_config, tag=tag
-    )
+        manifest, world_size=world_size, stage=max(stage, 1), dtype=dtype_name,
+        ds_config=ds_config, tag=tag,
+    )  # fmt: skip
+    if stage == 0:  # no ZeRO wrapper: the torch optimizer's own state_dict
+        config = {**target.ds_config, "zero_optimization": {"stage": 0}}
+        target = replace(target, stage=0, ds_config=config)
     if target.dtype != "float32" or target.wrapper != ZERO_OPTIMIZER or target.parameter_alignment:
         raise _refuse(
             f"only fp32 DeepSpeedZeroOptimizer targets without parameter_alignment are written "
@@ -185,6 +197,8 @@ def plan_deepspeed_experts(
         for e in range(ranks.num_experts)
     ]
     optim = [target.optim_file(r) for r in range(world_size)]
+    if stage == 0:
+        optim = [expp_file(e) for e in range(ep_size)]
     files = [f"{target.tag}/{n}" for n in (*expert_files, target.model_file(0), *optim)]
     per_rank = dense_layout.partition_size + layouts[0].partition_size
     states = 1 + len(manifest.optimizer.state_keys)
@@ -285,6 +299,29 @@ class _Files:
             "ds_version": self.classes.version,
         }
 
+    def torch_optimizer(self, ep_rank: int) -> dict[str, Any]:
+        """ZeRO-0: the torch optimizer ``state_dict()`` of a rank of EP rank ``ep_rank``."""
+        plan, manifest = self.plan, self.ckpt.manifest
+        members = [*plan.dense, *plan.experts[ep_rank]]
+        state: dict[int, dict[str, Any]] = {}
+        for index, name in enumerate(members):
+            shape = torch.Size(manifest.params[name].shape)
+            entry: dict[str, Any] = {}
+            step = flat_group_step(manifest, [name], f"parameter '{name}'")
+            if isinstance(step, torch.Tensor):
+                entry["step"] = step
+            elif step is not None:
+                entry["step"] = torch.tensor(float(step))
+            for key in self.state_keys:
+                entry[key] = self.ckpt.read(name, key).float().reshape(shape)
+            state[index] = entry
+        split = len(plan.dense)
+        groups = [
+            {**self.hyper[0], "params": list(range(split))},
+            {**self.hyper[1], "params": list(range(split, len(members)))},
+        ]
+        return {"state": state, "param_groups": groups}
+
     def model_file(self) -> dict[str, Any]:
         """``mp_rank_00_model_states.pt``: dense weights and buffers, no experts."""
         manifest, plan = self.ckpt.manifest, self.plan
@@ -309,6 +346,9 @@ class _Files:
             ds_version=self.classes.version,
         )
         assert manifest.experts is not None
+        if plan.target.stage == 0:  # as DeepSpeed: EP rank 0's optimizer, no param_shapes
+            state["optimizer"] = self.torch_optimizer(0)
+            state["param_shapes"] = None
         state["num_experts"] = [layer.num_experts for layer in manifest.experts.layers]
         state["ds_autoep_layers"] = None
         return state
@@ -379,7 +419,10 @@ def export_deepspeed_experts(
                 name = f"layer_{layer}_expert_{expert}_mp_rank_00_model_states.pt"
                 atomic_torch_save(files.expert_file(layer, expert), tag_dir / name)
         atomic_torch_save(files.model_file(), tag_dir / target.model_file(0))
-        for rank in range(world_size):
+        for ep_rank in range(ep_size if stage == 0 else 0):
+            optimizer = {"optimizer": files.torch_optimizer(ep_rank)}
+            atomic_torch_save(optimizer, tag_dir / expp_file(ep_rank))
+        for rank in range(world_size if stage else 0):
             atomic_torch_save(files.optimizer_file(rank), tag_dir / target.optim_file(rank))
             hooks.advance(plan.nbytes // world_size)
         atomic_write_bytes(folder / LATEST_FILE, target.tag.encode())
