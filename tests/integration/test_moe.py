@@ -330,6 +330,15 @@ def test_native_moe_exports_it_cannot_write_are_refused_in_one_line(
     assert not (tmp_path / "out" / "latest").exists()
 
 
+def test_native_moe_export_to_a_url_is_refused_in_one_line(moe_stores: dict[str, Path]) -> None:
+    from tests.cli.helpers import assert_user_error, invoke
+
+    store = moe_stores["ep2-z1-top2-ws2"]
+    result = invoke("export", "deepspeed", store, "s3://bucket/run", "--world-size", "2",
+                    "--stage", "1")  # fmt: skip
+    assert_user_error(result, "'export deepspeed' of an MoE store", "not to a URL")
+
+
 def test_universal_exports_of_moe_stores_are_refused_in_one_line(
     moe_stores: dict[str, Path], tmp_path: Path
 ) -> None:

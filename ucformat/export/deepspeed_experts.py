@@ -49,6 +49,7 @@ from ucformat.export._deepspeed_common import (
 )
 from ucformat.export._native_target import ZERO_OPTIMIZER, NativeTarget, native_target
 from ucformat.export._run_folder import finish_destination, plan_destination, prepare_folder
+from ucformat.export._url_target import is_url
 from ucformat.format.models import CheckpointManifest
 from ucformat.format.pyvalue import decode
 from ucformat.format.spec import FP32_STATE
@@ -389,6 +390,8 @@ def export_deepspeed_experts(
     clock = Stopwatch()
     hooks = hooks or ExportHooks()
     ckpt = open_store_arg(store)
+    if is_url(out):
+        raise _refuse(f"it writes to a local folder, not to a URL ({out}); upload the folder.")
     folder = Path(out)
     dest = plan_destination(
         folder,
