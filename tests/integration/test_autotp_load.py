@@ -2,16 +2,18 @@
 
 Stores converted from AutoTP checkpoints (tests/fixtures/autotp_cases.py) are loaded at tp1 x dp1,
 tp1 x dp2, tp2 x dp1 and across ZeRO stages 1 <-> 2, and a data-parallel-only store (saved live
-from a tp1 engine) is loaded into a tp2 engine, and tp2 ZeRO-1 stores into ZeRO-3 engines at
-tp2 x dp1 (fp32) and tp1 x dp2 (bf16). Each is compared, field by field, with the same
+from a tp1 engine) is loaded into a tp2 engine; tp2 ZeRO-1 stores go into ZeRO-3 engines at
+tp2 x dp1 (fp32) and tp1 x dp2 (bf16), and the tp2 x dp2 ZeRO-3 store into a tp2 x dp1 ZeRO-1
+engine. Each is compared, field by field, with the same
 engine after DeepSpeed's ``load_checkpoint`` of its ``ds_to_universal`` output, then both train
 one more step: equal losses, equal state. One more load compares ucformat's load with a stock
 ``load_checkpoint`` of the store's native AutoTP export (``export deepspeed --tp 2``).
 
-DeepSpeed's universal load cannot cross the ZeRO-3 boundary, so a ZeRO-3 target is compared per
-parameter with DeepSpeed's universal load of the same source at the same tp x dp and ZeRO-1
-(fp32 shards, optimizer states, step, 16-bit weights); a bf16 tp1 target's next loss also equals
-a plain ``LlamaForCausalLM`` holding the same weights (tests/fixtures/_autotp_zero3.py).
+DeepSpeed's universal load cannot cross the ZeRO-3 boundary, so a load across it is compared per
+parameter with DeepSpeed's universal load of the same source at the same tp x dp, at ZeRO-1 (or
+ZeRO-3 from the ZeRO-3 source): fp32 shards, optimizer states, step, 16-bit weights; a bf16 tp1
+target's next loss also equals a plain ``LlamaForCausalLM`` holding the same weights
+(tests/fixtures/_autotp_zero3.py).
 """
 
 from __future__ import annotations
