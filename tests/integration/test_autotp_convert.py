@@ -202,3 +202,12 @@ def test_autotp_export_at_other_tp_round_trips(autotp: dict[str, Path], tmp_path
     for name, entry in a.manifest.params.items():
         for state in entry.states:
             assert torch.equal(a.read(name, state), c.read(name, state)), (name, state)
+    # ZeRO-3 AutoTP files (per-rank model states): converted back, the same layout and arrays
+    export_deepspeed_tensor_parallel(store, tmp_path / "z3", world_size=4, tp=2, stage=3)
+    assert (tmp_path / "z3" / TAG / "zero_pp_rank_1_mp_rank_01_model_states.pt").is_file()
+    z3 = ucformat.convert(tmp_path / "z3", tmp_path / "z3.ucf")
+    assert z3.source.zero_stage == 3 and z3.tensor_parallel == a.manifest.tensor_parallel
+    d = ucformat.open(tmp_path / "z3.ucf")
+    for name, entry in a.manifest.params.items():
+        for state in entry.states:
+            assert torch.equal(a.read(name, state), d.read(name, state)), (name, state)

@@ -1,8 +1,9 @@
-"""``ucformat export deepspeed --tp T``: a native DeepSpeed AutoTP checkpoint (ZeRO-1/2).
+"""``ucformat export deepspeed --tp T``: a native DeepSpeed AutoTP checkpoint (ZeRO-1, 2 or 3).
 
 The output is what ``engine.save_checkpoint`` writes in a job of ``world_size`` processes with
 ``"tensor_parallel": {"autotp_size": T}``: per tensor-parallel rank ``t`` an ordinary ZeRO
-checkpoint of that rank's *shards* (``mp_rank_{t:02d}_model_states.pt`` and one
+checkpoint of that rank's *shards* (``mp_rank_{t:02d}_model_states.pt``, at ZeRO-3 one
+``zero_pp_rank_{dp}_mp_rank_{t:02d}_model_states.pt`` per data-parallel rank instead, and one
 ``[bf16_]zero_pp_rank_{dp}_mp_rank_{t:02d}_optim_states.pt`` per data-parallel rank, at
 ``world_size / T`` data-parallel ranks), so that a stock ``engine.load_checkpoint`` at that
 layout restores it.
@@ -123,17 +124,12 @@ def export_deepspeed_tensor_parallel(
 
     Raises:
         UnsupportedExportError: the split rules cannot cut some parameter exactly at ``tp``
-            (the message names it), ``world_size`` is not a multiple of ``tp``, or ``stage``
-            is 3.
+            (the message names it), or ``world_size`` is not a multiple of ``tp``.
         StoreExistsError: ``out/<tag>`` exists and ``overwrite`` is not set.
     """
     ckpt = open_store_arg(store)
     manifest = ckpt.manifest
     rules_ckpt = ckpt if tp_layout is None else open_store_arg(tp_layout)
-    if stage == 3:
-        raise UnsupportedExportError(
-            "a native AutoTP export is written for ZeRO-1/2 only; pass --stage 1 or 2."
-        )
     if world_size % tp:
         raise UnsupportedExportError(
             f"world size {world_size} is not a multiple of tp {tp}; expected tp x dp processes."
@@ -166,22 +162,25 @@ def export_deepspeed_tensor_parallel(
             raise UnsupportedExportError(
                 "frozen parameters or buffers in a tensor-parallel export are not supported."
             )
-        module = module_state_dict(view, target.dtype, placeholders=False)
-        state, _ = model_states(
-            view.manifest,
-            module=module,
-            param_shapes=group_shapes(view.manifest, [g.members for g in plan.flat_groups]),
-            frozen_shapes=OrderedDict() if stage == 2 else None,
-            frozen_fragments=OrderedDict() if stage == 2 else None,
-            shared_params=dict(manifest.tied),
-            world_size=dp,
-            ds_config=target.ds_config,
-            ds_version=classes.version,
-        )
-        state["mp_world_size"] = tp
-        state["checkpoint_parallel_dimensions"] = {"pp_degree": 1, "tp_degree": tp}
-        atomic_torch_save(state, tag_dir / target.model_file(0))
-        written.append(f"{base.tag}/{target.model_file(0)}")
+        # ZeRO-3: one model-states file per data-parallel rank, the module as placeholders (the
+        # weights live in the optimizer files' partitions), the tied names in rank 0's only
+        module = module_state_dict(view, target.dtype, placeholders=stage == 3)
+        for dp_rank in range(dp if stage == 3 else 1):
+            state, _ = model_states(
+                view.manifest,
+                module=module,
+                param_shapes=group_shapes(view.manifest, [g.members for g in plan.flat_groups]),
+                frozen_shapes=OrderedDict() if stage in (2, 3) else None,
+                frozen_fragments=OrderedDict() if stage in (2, 3) else None,
+                shared_params=dict(manifest.tied) if dp_rank == 0 else {},
+                world_size=dp,
+                ds_config=target.ds_config,
+                ds_version=classes.version,
+            )
+            state["mp_world_size"] = tp
+            state["checkpoint_parallel_dimensions"] = {"pp_degree": 1, "tp_degree": tp}
+            atomic_torch_save(state, tag_dir / target.model_file(dp_rank))
+            written.append(f"{base.tag}/{target.model_file(dp_rank)}")
         files = RankFiles(view, plan, classes, scaler, dynamic)
         for dp_rank in range(dp):
             atomic_torch_save(files.optimizer_file(dp_rank), tag_dir / target.optim_file(dp_rank))
