@@ -214,7 +214,7 @@ def deepspeed_command(
             "--tp",
             help="AutoTP degree of that job (docs/tensor-parallel.md); then --world-size counts "
             "all tp x dp processes. The shards follow the split rules the store (or "
-            "--tp-layout) records, at any tp.",
+            "--tp-layout) records; refused, naming the parameter, where they do not fix them.",
             min=1,
         ),
     ] = 1,
