@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from ucformat.deepspeed.engine import EngineView
-from ucformat.errors import LayoutMismatchError, UCFormatError
+from ucformat.errors import LayoutMismatchError
 from ucformat.format.dtypes import dtype_name
 from ucformat.format.models import (
     ClientState,
@@ -36,6 +36,7 @@ from ucformat.format.models import (
 )
 from ucformat.format.pyvalue import try_encode
 from ucformat.format.spec import FP32_STATE, VALUE_STATE
+from ucformat.format.training_values import encode_exact
 from ucformat.layout.partition import PerParamLayout
 from ucformat.sources.base import (
     ArraySource,
@@ -258,13 +259,6 @@ def _source_info(view: EngineView, world_size: int, location: str, tag: str | No
     )
 
 
-def _exact(value: Any, what: str) -> Any:
-    ok, encoded = try_encode(value)
-    if not ok:
-        raise UCFormatError(f"{what}: cannot be stored exactly (contains {encoded}).")
-    return encoded
-
-
 def _progress(view: EngineView) -> TrainingProgress:
     """Counters, scheduler, and the wrapper's loss-scaler and clipping state.
 
@@ -281,7 +275,7 @@ def _progress(view: EngineView) -> TrainingProgress:
             class_name=type(scaler).__name__,
             dynamic=bool(attributes.get("dynamic", False)),
             cur_scale=float(attributes.get("cur_scale", 1.0)),
-            attributes={k: _exact(v, "loss_scaler") for k, v in attributes.items()},
+            attributes={k: encode_exact(v, "loss_scaler") for k, v in attributes.items()},
         )
     with_scale = view.kind in ("zero12", "zero3")
     clip = getattr(wrapper, "clip_grad", None) if view.kind != "zero3" else None
@@ -289,7 +283,7 @@ def _progress(view: EngineView) -> TrainingProgress:
         global_steps=int(engine.global_steps or 0),
         global_samples=int(engine.global_samples or 0),
         skipped_steps=int(engine.skipped_steps or 0),
-        lr_scheduler=_exact(scheduler.state_dict(), "lr_scheduler") if scheduler else None,
+        lr_scheduler=encode_exact(scheduler.state_dict(), "lr_scheduler") if scheduler else None,
         loss_scaler=loss_scaler,
         dynamic_loss_scale=_flag(wrapper, "dynamic_loss_scale") if with_scale else None,
         overflow=_flag(wrapper, "overflow") if with_scale else None,

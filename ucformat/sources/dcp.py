@@ -43,8 +43,9 @@ from ucformat.format.models import (
     SourceFile,
     SourceInfo,
 )
-from ucformat.format.pyvalue import describe_type, encode, try_encode
+from ucformat.format.pyvalue import describe_type, encode
 from ucformat.format.spec import FP32_STATE, VALUE_STATE
+from ucformat.format.training_values import NotStored, encode_client_state
 from ucformat.layout.boxes import chunk_runs
 from ucformat.sources.base import (
     ArraySource,
@@ -312,19 +313,13 @@ class _Reader:
         return OptimizerGroup(params=list(members), hyperparams=hyper)
 
     def _client_state(self, keys: list[str]) -> ClientState:
-        values: dict[str, Any] = {}
-        unrepresentable: dict[str, str] = {}
-        for key in keys:
-            entry = self.metadata.entries[key]
-            if isinstance(entry, DcpTensor):
-                unrepresentable[key] = f"tensor {entry.dtype}{list(entry.shape)}"
-                continue
-            ok, encoded = try_encode(self.value(key))
-            if ok:
-                values[key] = encoded
-            else:
-                unrepresentable[key] = encoded
-        return ClientState(values=values, unrepresentable=unrepresentable)
+        return encode_client_state((key, self._client_value(key)) for key in keys)
+
+    def _client_value(self, key: str) -> Any:
+        entry = self.metadata.entries[key]
+        if isinstance(entry, DcpTensor):
+            return NotStored(f"tensor {entry.dtype}{list(entry.shape)}")
+        return self.value(key)
 
     def _source_info(self, params: dict[str, SourceParam]) -> SourceInfo:
         floats = Counter(p.dtype for p in params.values() if p.dtype in _FLOATING)

@@ -44,8 +44,9 @@ from ucformat.format.models import (
     SourceInfo,
     TrainingProgress,
 )
-from ucformat.format.pyvalue import describe_type, encode, try_encode
+from ucformat.format.pyvalue import describe_type, encode
 from ucformat.format.spec import FP32_STATE
+from ucformat.format.training_values import NotStored, encode_client_state
 from ucformat.layout.boxes import chunk_runs
 from ucformat.sources.base import ArraySource, SourceCheckpoint, SourceFragment, SourceParam
 from ucformat.sources.dcp import DcpItems
@@ -394,22 +395,17 @@ class _Describer:
 
     # --- the rest -------------------------------------------------------------------------
     def _client_state(self) -> ClientState:
-        values: dict[str, Any] = {}
-        unrepresentable: dict[str, str] = {}
-        for key, value in self.common.items():
-            if key == "optimizer":
-                continue
-            if key == "args":
-                value = _attributes(value)
-            ok, encoded = try_encode(value)
-            if ok:
-                values[key] = encoded
-            else:
-                unrepresentable[key] = encoded
-        for key, entry in self.metadata.entries.items():
-            if not isinstance(entry, DcpTensor) and _is_weight(key):
-                unrepresentable[key] = "ShardedObject"
-        return ClientState(values=values, unrepresentable=unrepresentable)
+        common = [
+            (key, _attributes(value) if key == "args" else value)
+            for key, value in self.common.items()
+            if key != "optimizer"
+        ]
+        objects = [
+            (key, NotStored("ShardedObject"))
+            for key, entry in self.metadata.entries.items()
+            if not isinstance(entry, DcpTensor) and _is_weight(key)
+        ]
+        return encode_client_state([*common, *objects])
 
     def _source_info(self) -> SourceInfo:
         names = [METADATA_NAME, *self.metadata.data_files, METADATA_JSON]

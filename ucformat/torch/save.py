@@ -39,24 +39,23 @@ from typing import Any
 import torch
 
 from ucformat.collective import Group, group, settle
-from ucformat.errors import UCFormatError
 from ucformat.format.dtypes import dtype_name, itemsize, torch_dtype
 from ucformat.format.models import (
     CheckpointManifest,
-    ClientState,
     OptimizerGroup,
     OptimizerInfo,
     SourceInfo,
     TrainingProgress,
 )
 from ucformat.format.names import model_name, model_named
-from ucformat.format.pyvalue import encode, try_encode
+from ucformat.format.pyvalue import encode
 from ucformat.format.spec import (
     FP32_STATE,
     VALUE_STATE,
     buffer_array_path,
     state_array_path,
 )
+from ucformat.format.training_values import encode_client_state, encode_exact
 from ucformat.layout.chunking import Chunking
 from ucformat.layout.dtensor import aligned_chunking
 from ucformat.layout.ownership import writers_by_holdings
@@ -156,16 +155,6 @@ def _optimizer_name(optimizer: torch.optim.Optimizer) -> tuple[str, bool | None]
     return name, None
 
 
-def _exact(value: Any, what: str) -> Any:
-    ok, encoded = try_encode(value)
-    if not ok:
-        raise UCFormatError(
-            f"{what}: cannot be stored exactly (contains {encoded}); give a state whose values "
-            "are numbers, strings, lists and dicts."
-        )
-    return encoded
-
-
 def _describe(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer | None,
@@ -247,15 +236,9 @@ def _describe(
     )
     train_dtype = dtype_name(trainable_params[0].dtype) if trainable_params else "float32"
     steps = [s.value for p in out.values() for k, s in p.scalars.items() if k == "step"]
-    values: dict[str, Any] = {}
-    unrepresentable: dict[str, str] = {}
-    for key, value in (client_state or {}).items():
-        ok, encoded = try_encode(value)
-        if ok:
-            values[str(key)] = encoded
-        else:
-            unrepresentable[str(key)] = str(encoded)
-    lr_scheduler = None if scheduler is None else _exact(scheduler.state_dict(), "lr_scheduler")
+    lr_scheduler = (
+        None if scheduler is None else encode_exact(scheduler.state_dict(), "lr_scheduler")
+    )
     source_ckpt = SourceCheckpoint(
         source=SourceInfo(
             framework="pytorch",
@@ -278,7 +261,7 @@ def _describe(
         progress=TrainingProgress(
             global_steps=int(max(steps, default=0)), lr_scheduler=lr_scheduler
         ),
-        client_state=ClientState(values=values, unrepresentable=unrepresentable),
+        client_state=encode_client_state((client_state or {}).items()),
     )
     return _Described(source_ckpt, rows, shapes)
 

@@ -32,6 +32,7 @@ from ucformat.format.models import (
 )
 from ucformat.format.pyvalue import encode, try_encode
 from ucformat.format.spec import FP32_STATE, VALUE_STATE
+from ucformat.format.training_values import encode_client_state, encode_exact
 from ucformat.layout.partition import PerParamLayout
 from ucformat.sources.base import ArraySource, SourceCheckpoint, SourceFragment, SourceParam
 from ucformat.sources.deepspeed.experts import MOE_KEYS, read_moe_states
@@ -415,7 +416,7 @@ def _progress(meta: Mapping[str, Any], optimizer_state: Mapping[str, Any]) -> Tr
         global_steps=int(meta.get("global_steps") or 0),
         global_samples=int(meta.get("global_samples") or 0),
         skipped_steps=int(meta.get("skipped_steps") or 0),
-        lr_scheduler=_encode_or_raise(meta.get("lr_scheduler"), "lr_scheduler"),
+        lr_scheduler=encode_exact(meta.get("lr_scheduler"), "lr_scheduler"),
         loss_scaler=_loss_scaler(scaler) if isinstance(scaler, StandIn) else None,
         dynamic_loss_scale=_optional_bool(optimizer_state.get("dynamic_loss_scale")),
         overflow=_optional_bool(optimizer_state.get("overflow")),
@@ -428,9 +429,7 @@ def _optional_bool(value: Any) -> bool | None:
 
 
 def _loss_scaler(scaler: StandIn) -> LossScaler:
-    attributes = {
-        str(k): _encode_or_raise(v, "loss_scaler") for k, v in scaler.attributes().items()
-    }
+    attributes = {str(k): encode_exact(v, "loss_scaler") for k, v in scaler.attributes().items()}
     return LossScaler(
         class_name=type(scaler).ucformat_qualname.rpartition(".")[2],
         dynamic=bool(scaler.attributes().get("dynamic", False)),
@@ -439,34 +438,14 @@ def _loss_scaler(scaler: StandIn) -> LossScaler:
     )
 
 
-def _encode_or_raise(value: Any, what: str) -> Any:
-    ok, encoded = try_encode(value)
-    if not ok:
-        raise UCFormatError(f"{what}: cannot be stored exactly (contains {encoded}).")
-    return encoded
-
-
 def _encode_or_none(value: Any) -> Any:
     ok, encoded = try_encode(value)
     return encoded if ok else None
 
 
 def _client_state(meta: Mapping[str, Any]) -> ClientState:
-    values: dict[str, Any] = {}
-    unrepresentable: dict[str, str] = {}
-    for key, value in meta.items():
-        if key in DEEPSPEED_KEYS or key in MOE_KEYS:
-            continue
-        ok, encoded = try_encode(value)
-        if ok:
-            values[str(key)] = encoded
-        else:
-            unrepresentable[str(key)] = encoded
-    for key in ("data_sampler", "random_ltd"):
-        if meta.get(key) is not None:
-            ok, encoded = try_encode(meta[key])
-            if ok:
-                values[f"deepspeed.{key}"] = encoded
-            else:
-                unrepresentable[f"deepspeed.{key}"] = encoded
-    return ClientState(values=values, unrepresentable=unrepresentable)
+    """The client's keys of a model-states file, then DeepSpeed's sampler and random-LTD state."""
+    own = [(k, v) for k, v in meta.items() if k not in DEEPSPEED_KEYS and k not in MOE_KEYS]
+    kept = ("data_sampler", "random_ltd")
+    extra = [(f"deepspeed.{k}", meta[k]) for k in kept if meta.get(k) is not None]
+    return encode_client_state([*own, *extra])
