@@ -25,17 +25,15 @@ from typing import Any
 import torch
 
 from ucformat.deepspeed.engine import EngineView
-from ucformat.errors import LayoutMismatchError
 from ucformat.format.dtypes import dtype_name
 from ucformat.format.models import (
     ClientState,
     LossScaler,
-    ScalarState,
     SourceInfo,
     TrainingProgress,
 )
 from ucformat.format.pyvalue import try_encode
-from ucformat.format.spec import FP32_STATE, VALUE_STATE
+from ucformat.format.spec import FP32_STATE
 from ucformat.format.training_values import encode_exact
 from ucformat.layout.partition import PerParamLayout
 from ucformat.sources.base import (
@@ -44,7 +42,8 @@ from ucformat.sources.base import (
     SourceCheckpoint,
     SourceFragment,
     SourceParam,
-    scalar_state,
+    frozen_param,
+    split_state,
 )
 from ucformat.sources.deepspeed.checkpoint import _client_state, _optimizer_info
 from ucformat.sources.deepspeed.states import FlatStates
@@ -113,21 +112,9 @@ def describe_live(
     params_by_name = dict(module.named_parameters())
     for target, fp32 in zip(view.targets, view.fp32, strict=True):
         state = view.base_optimizer.state.get(view.state_key(target.index), {})
-        tensors: dict[str, torch.Tensor] = {FP32_STATE: fp32}
-        scalars: dict[str, ScalarState] = {}
-        for key, value in state.items():
-            if isinstance(value, torch.Tensor) and value.dim() == 1:
-                if value.numel() != fp32.numel():
-                    raise LayoutMismatchError(
-                        f"flat group {target.index}: optimizer state '{key}' has "
-                        f"{value.numel()} elements, its fp32 partition {fp32.numel()}."
-                    )
-                tensors[str(key)] = value
-            else:
-                try:
-                    scalars[str(key)] = scalar_state(value, f"flat group {target.index} '{key}'")
-                except TypeError as exc:
-                    raise LayoutMismatchError(str(exc)) from None
+        where = f"flat group {target.index}: optimizer state"
+        flat_states, scalars = split_state(state, where, fp32.numel())
+        tensors: dict[str, torch.Tensor] = {FP32_STATE: fp32, **flat_states}
         local = {key: copies.host(value) for key, value in tensors.items()}
         dtypes = {key: dtype_name(value.dtype) for key, value in tensors.items()}
         for name in target.names:
@@ -191,13 +178,7 @@ def _frozen(
             array.fragments.append(SourceFragment(tensor, 0, frag.param_start, frag.length))
     else:
         array = _whole(param, rank, copies)
-    return SourceParam(
-        shape=array.shape,
-        dtype=array.dtype,
-        requires_grad=False,
-        group=None,
-        arrays={VALUE_STATE: array},
-    )
+    return frozen_param(array)
 
 
 def _whole(tensor: torch.Tensor, rank: int, copies: HostCopies) -> ArraySource:
