@@ -40,6 +40,7 @@ from ucformat.format.pyvalue import decode
 from ucformat.format.spec import BUFFER_STATE, FP32_STATE, STEP_STATE
 from ucformat.layout.partition import Fragment
 from ucformat.read.checkpoint import UniversalCheckpoint, open_checkpoint, scalar_value
+from ucformat.read.model_match import match_model, refuse_mismatch
 from ucformat.read.partitions import (
     FlatTarget,
     ReadTally,
@@ -298,27 +299,14 @@ def _compare_models(
     strict: bool,
 ) -> None:
     params = dict(view.named_parameters())
-    wanted = trainable | set(frozen)
-    stored = set(manifest.params) - other_stage_names(view.engine.module, manifest.params)
-    problems: list[str] = []
-    report.missing = sorted(n for n in wanted if not _has(manifest, n))
-    elsewhere = held_elsewhere(view.engine, manifest, wanted)  # other EP ranks' experts
-    report.unexpected = sorted(stored - {manifest.resolve(n) for n in wanted} - elsewhere)
-    if report.missing:
-        problems.append(f"missing from the store: {', '.join(report.missing)}")
-    if report.unexpected:
-        problems.append(f"not in the model: {', '.join(report.unexpected)}")
     logical = {n: m.logical_shape for n, m in (view.shard_maps or {}).items()}
-    shapes = [
-        f"{n} (model {list(logical.get(n, _param_shape(params[n])))}, "
-        f"store {manifest.params[manifest.resolve(n)].shape})"
-        for n in sorted(wanted)
-        if _has(manifest, n)
-        and list(logical.get(n, _param_shape(params[n])))
-        != manifest.params[manifest.resolve(n)].shape
-    ]
-    if shapes:
-        problems.append(f"different shapes: {', '.join(shapes)}")
+    wanted = {n: list(logical.get(n, _param_shape(params[n]))) for n in trainable | set(frozen)}
+    stored = {n: e.shape for n, e in manifest.params.items()}
+    not_here = other_stage_names(view.engine.module, manifest.params)
+    not_here |= held_elsewhere(view.engine, manifest, set(wanted))  # other EP ranks' experts
+    match = match_model(wanted, stored, resolve=manifest.resolve, not_here=not_here)
+    report.missing, report.unexpected = match.missing, match.unexpected
+    also: list[str] = []
     if with_optimizer:
         bare = sorted(
             n
@@ -326,20 +314,13 @@ def _compare_models(
             if _has(manifest, n) and manifest.params[manifest.resolve(n)].group is None
         )
         if bare:
-            problems.append(
+            also.append(
                 f"trainable in the model but stored without optimizer state: {', '.join(bare)}"
             )
-    stored_buffers = set(manifest.buffers)
-    missing_buffers = sorted(set(buffers) - stored_buffers)
+    missing_buffers = sorted(set(buffers) - set(manifest.buffers))
     if missing_buffers:
-        problems.append(f"buffers missing from the store: {', '.join(missing_buffers)}")
-    if problems and (strict or shapes):
-        raise ModelMismatchError(
-            "the model does not match the checkpoint: "
-            + "; ".join(problems)
-            + ". Nothing was loaded. Pass strict=False to load the matching parameters only."
-        )
-    report.skipped.extend(problems)
+        also.append(f"buffers missing from the store: {', '.join(missing_buffers)}")
+    report.skipped.extend(refuse_mismatch(match, strict=strict, also=also))
 
 
 def _read_frozen(
