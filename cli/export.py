@@ -213,17 +213,35 @@ def deepspeed_command(
         typer.Option(
             "--tp",
             help="AutoTP degree of that job (docs/tensor-parallel.md); then --world-size counts "
-            "all tp x dp processes. Needs a store converted from an AutoTP run at this tp.",
+            "all tp x dp processes. The shards follow the split rules the store (or "
+            "--tp-layout) records; refused, naming the parameter, where they do not fix them.",
             min=1,
         ),
     ] = 1,
+    ep_size: Annotated[
+        int | None,
+        typer.Option(
+            "--ep-size",
+            help="MoE stores: expert-parallel size of that job (default: the source's); "
+            "writes DeepSpeed's expert files (docs/exports.md).",
+            min=1,
+        ),
+    ] = None,
+    tp_layout: Annotated[
+        str | None,
+        typer.Option(
+            "--tp-layout",
+            help="A store converted from an AutoTP run of the same model whose split rules "
+            "cut the shards (for a store without its own, e.g. from a data-parallel run).",
+        ),
+    ] = None,
 ) -> None:
     """A native DeepSpeed ZeRO checkpoint that a stock engine.load_checkpoint(OUT) loads.
 
     OUT may be a DeepSpeed run folder or a Hugging Face Trainer checkpoint-N folder: the new
     tag is written beside the old one and 'latest' repointed; nothing else there changes.
     """
-    if tp > 1:
+    if tp > 1 or tp_layout is not None:
         from ucformat.errors import UnsupportedExportError
         from ucformat.export.deepspeed_tensor_parallel import export_deepspeed_tensor_parallel
 
@@ -233,7 +251,7 @@ def deepspeed_command(
             )
         files = export_deepspeed_tensor_parallel(
             store, out, world_size=world_size, tp=tp, stage=stage, dtype=dtype, tag=tag,
-            overwrite=overwrite,
+            overwrite=overwrite, tp_layout=tp_layout,
         )  # fmt: skip
         typer.echo(f"wrote DeepSpeed AutoTP tp{tp} x dp{world_size // tp} ZeRO-{stage} "
                    f"checkpoint ({len(files)} files) to {out}")  # fmt: skip
@@ -255,6 +273,7 @@ def deepspeed_command(
             remove_previous=remove_previous,
             dry_run=dry_run,
             hooks=hooks,
+            ep_size=ep_size,
         ),
     )
 

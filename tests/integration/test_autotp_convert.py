@@ -161,4 +161,53 @@ def test_autotp_native_export_round_trips(autotp: dict[str, Path], tmp_path: Pat
     refused = invoke("export", "deepspeed", store, tmp_path / "x", "--world-size", "4", "--tp", "4",
                      "--stage", "1")  # fmt: skip
     assert refused.exit_code == 2
-    assert "needs the store's shard layout at that degree (found tp 2)" in refused.output
+    assert (
+        "param 'model.layers.0.self_attn.q_proj.weight': cannot re-cut its tp 2 split for tp 4: "
+        "its even widths [32, 32]" in refused.output
+    )
+
+
+def test_autotp_export_at_other_tp_round_trips(autotp: dict[str, Path], tmp_path: Path) -> None:
+    """tp2 store -> ``export deepspeed --tp 1`` -> convert: a tp-less store with the same arrays;
+    it refuses ``--tp 2`` without split rules, and with ``--tp-layout`` (the tp2 store's rules)
+    exports the tp2 files again: converted back, the tp2 store's layout and arrays. (Stock
+    ``load_checkpoint`` of both exports: tests/integration/test_autotp_load.py.)"""
+    from tests.cli.helpers import invoke
+    from ucformat.export.deepspeed_tensor_parallel import export_deepspeed_tensor_parallel
+
+    store = tmp_path / "store"
+    ucformat.convert(autotp["tp2dp1-z1-fp32"] / "ckpt", store)
+    export_deepspeed_tensor_parallel(store, tmp_path / "tp1", world_size=2, tp=1, stage=2)
+    assert sorted(p.name for p in (tmp_path / "tp1" / TAG).iterdir()) == [
+        "mp_rank_00_model_states.pt",
+        "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+        "zero_pp_rank_1_mp_rank_00_optim_states.pt",
+    ]
+    plain = ucformat.convert(tmp_path / "tp1", tmp_path / "plain")
+    assert plain.tensor_parallel is None and plain.source.world_size == 2
+    a, b = ucformat.open(store), ucformat.open(tmp_path / "plain")
+    for name, entry in a.manifest.params.items():
+        for state in entry.states:
+            assert torch.equal(a.read(name, state), b.read(name, state)), (name, state)
+    args = ("export", "deepspeed", tmp_path / "plain", tmp_path / "tp2", "--world-size", "2",
+            "--tp", "2", "--stage", "1")  # fmt: skip
+    refused = invoke(*args)
+    assert refused.exit_code == 2
+    assert "records no tensor-parallel split, so the AutoTP shards at tp 2" in refused.output
+    result = invoke(*args, "--tp-layout", store)
+    assert result.exit_code == 0, result.output
+    back = ucformat.convert(tmp_path / "tp2", tmp_path / "back")
+    assert back.tensor_parallel == a.manifest.tensor_parallel
+    c = ucformat.open(tmp_path / "back")
+    for name, entry in a.manifest.params.items():
+        for state in entry.states:
+            assert torch.equal(a.read(name, state), c.read(name, state)), (name, state)
+    # ZeRO-3 AutoTP files (per-rank model states): converted back, the same layout and arrays
+    export_deepspeed_tensor_parallel(store, tmp_path / "z3", world_size=4, tp=2, stage=3)
+    assert (tmp_path / "z3" / TAG / "zero_pp_rank_1_mp_rank_01_model_states.pt").is_file()
+    z3 = ucformat.convert(tmp_path / "z3", tmp_path / "z3.ucf")
+    assert z3.source.zero_stage == 3 and z3.tensor_parallel == a.manifest.tensor_parallel
+    d = ucformat.open(tmp_path / "z3.ucf")
+    for name, entry in a.manifest.params.items():
+        for state in entry.states:
+            assert torch.equal(a.read(name, state), d.read(name, state)), (name, state)

@@ -17,15 +17,8 @@ import torch
 
 import ucformat
 import ucformat.torch as uctorch
-from tests.fixtures.models import (
-    BASE_LR,
-    BASE_WEIGHT_DECAY,
-    BETAS,
-    EPS,
-    build_model,
-    loss_fn,
-    make_batch,
-)
+from tests.fixtures.models import build_model, loss_fn, make_batch
+from tests.fixtures.torch_optim import grid_adam
 from tests.truth import assert_exact, load_truth, plain
 from ucformat.errors import ModelMismatchError, UnsupportedExportError
 from ucformat.read.checkpoint import UniversalCheckpoint
@@ -52,9 +45,7 @@ def fresh(case: dict[str, Any], adamw: bool | None = None) -> tuple[torch.nn.Mod
         param.data = param.data.to(LP[case["dtype"]])
     if adamw is None:
         adamw = case["optimizer"] != "torch_adam"  # DeepSpeed's "Adam" is AdamW math
-    cls = torch.optim.AdamW if adamw else torch.optim.Adam
-    optimizer = cls(groups, lr=BASE_LR, betas=BETAS, eps=EPS, weight_decay=BASE_WEIGHT_DECAY)
-    return model, optimizer
+    return model, grid_adam(groups, adamw=adamw)
 
 
 def probe(model: torch.nn.Module, case: dict[str, Any]) -> float:

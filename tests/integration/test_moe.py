@@ -92,6 +92,19 @@ LOADS: tuple[tuple[str, int, int, int], ...] = (
     ("ep2-z2-top2-ws4", 2, 2, 1),  # ep2 x dp2 -> ep2 x dp1
     ("ep2-z0-top1-ws2", 4, 2, 2),  # ep2 x dp1 (ZeRO-0) -> ep2 x dp2
     ("ep2-z2-top2-ws4", 4, 4, 1),  # ep2 -> ep4
+    ("ep2-z1-top2-ws2", 2, 1, 0),  # ep2 -> ep1 x dp2 into a ZeRO-0 engine
+    ("ep2-z2-top2-ws4", 4, 4, 0),  # ep2 x dp2 -> ep4 into a ZeRO-0 engine
+)
+
+
+#: Native exports (``ucformat export deepspeed --ep-size``) that a stock ``load_checkpoint``
+#: loads: (source case, target world size, target ep_size, target ZeRO stage).
+NATIVE: tuple[tuple[str, int, int, int], ...] = (
+    ("ep2-z2-top2-ws4", 2, 1, 1),  # ep2 x dp2 -> ep1 x dp2
+    ("ep2-z1-top2-ws2", 4, 2, 2),  # ep2 x dp1 -> ep2 x dp2, ZeRO-1 -> 2
+    ("ep1-z1-top1-ws2", 2, 2, 1),  # ep1 -> ep2
+    ("ep2-z2-top2-ws4", 2, 1, 0),  # ep2 x dp2 -> ep1 x dp2 at ZeRO-0 (expp_rank_* files)
+    ("ep2-z1-top2-ws2", 4, 2, 0),  # ep2 x dp1 -> ep2 x dp2 at ZeRO-0
 )
 
 
@@ -100,28 +113,41 @@ def _load_name(load: tuple[str, int, int, int]) -> str:
     return f"{source}-to-ep{ep}-z{stage}-ws{world}"
 
 
+def _native_name(load: tuple[str, int, int, int]) -> str:
+    return f"native-{_load_name(load)}"
+
+
 @pytest.fixture(scope="module")
 def moe_loads(
     moe_cases: dict[str, Path],
     moe_stores: dict[str, Path],
     tmp_path_factory: pytest.TempPathFactory,
 ) -> dict[str, dict[str, Any]]:
+    from tests.cli.helpers import invoke
     from tests.fixtures.moe_cases import run_moe_loads
 
+    work = tmp_path_factory.mktemp("moe-loads")
     jobs = []
-    for load in LOADS:
+    for load, native in [(load, False) for load in LOADS] + [(load, True) for load in NATIVE]:
         source, world, ep, stage = load
         case = next(c for c in CASES if c.name == source)
-        name = _load_name(load)
+        name = _native_name(load) if native else _load_name(load)
         target = {"name": name, "world_size": world, "ep_size": ep, "stage": stage, "k": case.k}
-        jobs.append({
+        job = {
             "name": name,
             "case": {**target, "steps": case.steps},
             "store": str(moe_stores[source]),
             "truth": str(moe_cases[source] / "truth.pt"),
             "first_step": case.steps,
-        })  # fmt: skip
-    return run_moe_loads(jobs, tmp_path_factory.mktemp("moe-loads"))
+        }
+        if native:
+            out = work / "native" / name
+            args = ("--world-size", str(world), "--stage", str(stage), "--ep-size", str(ep))
+            result = invoke("export", "deepspeed", moe_stores[source], out, *args)
+            assert result.exit_code == 0, result.stderr
+            job["native"] = str(out)
+        jobs.append(job)
+    return run_moe_loads(jobs, work)
 
 
 @pytest.mark.parametrize("load", LOADS, ids=_load_name)
@@ -250,12 +276,73 @@ def test_an_ep2_store_loads_into_the_same_network_without_expert_parallelism(
         assert torch.equal(optimizer.state[param]["exp_avg_sq"], truth[name]["exp_avg_sq"]), name
 
 
-@pytest.mark.parametrize("target", ["deepspeed", "deepspeed-universal"])
-def test_deepspeed_exports_of_moe_stores_are_refused_in_one_line(
-    target: str, moe_stores: dict[str, Path], tmp_path: Path
+@pytest.mark.parametrize("load", NATIVE, ids=_native_name)
+def test_native_moe_export_resumes_in_a_stock_engine_at_another_ep_and_dp(
+    load: tuple[str, int, int, int], moe_loads: dict[str, dict[str, Any]]
+) -> None:
+    """DeepSpeed's own load_checkpoint of the export: every state the rank holds equals the
+    source job's (exact) and the next losses equal the uninterrupted run's."""
+    ranks = moe_loads[_native_name(load)]["ranks"]
+    assert len(ranks) == load[1]
+    assert all(rank["failures"] == [] for rank in ranks), ranks
+
+
+def test_native_moe_export_writes_deepspeeds_file_names(
+    moe_stores: dict[str, Path], tmp_path: Path
+) -> None:
+    from tests.cli.helpers import invoke
+
+    args = ("--world-size", "4", "--stage", "1", "--ep-size", "4")
+    result = invoke("export", "deepspeed", moe_stores["ep2-z1-top2-ws2"], tmp_path / "o", *args)
+    assert result.exit_code == 0, result.stderr
+    tag = tmp_path / "o" / "global_step3"
+    names = sorted(p.name for p in tag.iterdir())
+    experts = [f"layer_{i}_expert_{e}_mp_rank_00_model_states.pt" for i in (0, 1) for e in range(4)]
+    ranks = [f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in range(4)]
+    assert names == sorted([*experts, "mp_rank_00_model_states.pt", *ranks])
+    expert = torch.load(tag / "layer_1_expert_3_mp_rank_00_model_states.pt", weights_only=True)
+    assert sorted(expert) == sorted(
+        f"moe2.deepspeed_moe.experts.deepspeed_experts.3.{p}"
+        for p in ("up.weight", "up.bias", "down.weight", "down.bias")
+    )
+    optim = torch.load(tag / ranks[3], weights_only=False)["optimizer_state_dict"]
+    assert optim["partition_count"] == [4, 1]
+    assert optim["base_optimizer_state"]["param_groups"][1]["name"] == "ep_size_4"
+    local = list(optim["param_slice_mappings"][1])  # EP rank 3's experts under local ids
+    assert local[0] == "moe1.deepspeed_moe.experts.deepspeed_experts.0.up.weight"
+
+
+@pytest.mark.parametrize(
+    ("args", "fragment"),
+    [
+        (("--stage", "3", "--ep-size", "2"), "ZeRO stage 3 targets are not written"),
+        (("--stage", "1", "--ep-size", "3"), "ep_size 3 does not divide"),
+    ],
+)
+def test_native_moe_exports_it_cannot_write_are_refused_in_one_line(
+    args: tuple[str, ...], fragment: str, moe_stores: dict[str, Path], tmp_path: Path
 ) -> None:
     from tests.cli.helpers import assert_user_error, invoke
 
-    extra = ("--world-size", "2", "--stage", "1") if target == "deepspeed" else ()
-    result = invoke("export", target, moe_stores["ep2-z1-top2-ws2"], tmp_path / "out", *extra)
-    assert_user_error(result, f"'export {target}'", "2 MoE layers (source ep_size 2)")
+    store = moe_stores["ep2-z1-top2-ws2"]
+    result = invoke("export", "deepspeed", store, tmp_path / "out", "--world-size", "6", *args)
+    assert_user_error(result, "'export deepspeed' of an MoE store", fragment)
+    assert not (tmp_path / "out" / "latest").exists()
+
+
+def test_native_moe_export_to_a_url_is_refused_in_one_line(moe_stores: dict[str, Path]) -> None:
+    from tests.cli.helpers import assert_user_error, invoke
+
+    store = moe_stores["ep2-z1-top2-ws2"]
+    result = invoke("export", "deepspeed", store, "s3://bucket/run", "--world-size", "2",
+                    "--stage", "1")  # fmt: skip
+    assert_user_error(result, "'export deepspeed' of an MoE store", "not to a URL")
+
+
+def test_universal_exports_of_moe_stores_are_refused_in_one_line(
+    moe_stores: dict[str, Path], tmp_path: Path
+) -> None:
+    from tests.cli.helpers import assert_user_error, invoke
+
+    result = invoke("export", "deepspeed-universal", moe_stores["ep2-z1-top2-ws2"], tmp_path / "o")
+    assert_user_error(result, "'export deepspeed-universal'", "2 MoE layers (source ep_size 2)")

@@ -1,4 +1,4 @@
-"""DeepSpeed PipelineModule checkpoints (pp2 x dp1/dp2, ZeRO-0/1, fp32/bf16, tied or not),
+"""DeepSpeed PipelineModule checkpoints (pp2 x dp1/dp2 and pp4, ZeRO-0/1, fp32/bf16, tied or not),
 made by DeepSpeed itself, converted by ``ucformat.convert`` and compared array by array with
 DeepSpeed's own ``ds_to_universal`` output (ZeRO-1; it fails on ZeRO-0 ``BF16_Optimizer``
 pipelines, whose model states have no ``param_shapes``) and with the training job's own
@@ -21,8 +21,10 @@ from ucformat.format.summary import summarize
 pytestmark = pytest.mark.deepspeed
 
 CONVERTIBLE = [c.name for c in CASES if not c.tied_bias and (c.stage, c.dtype) != (0, "fp32")]
-#: ds_to_universal fails on ZeRO-0 pipelines ("param_shapes must contain dictionaries").
-UNIVERSAL = [c for c in CONVERTIBLE if by_name(c).stage == 1]
+#: ds_to_universal fails on ZeRO-0 pipelines ("param_shapes must contain dictionaries"), and on
+#: the pp4 one (``ZeroDivisionError`` in ``_build_transformer_file_map``: its last stage holds
+#: only the tied head, no layer file).
+UNIVERSAL = [c for c in CONVERTIBLE if by_name(c).stage == 1 and by_name(c).pp < 4]
 STATES = ("fp32", "exp_avg", "exp_avg_sq")
 
 
@@ -91,6 +93,9 @@ def test_pipeline_converts_like_the_training_job_holds_it(
     if spec.tied and spec.pp == 1:
         assert [s.tied for s in pipeline.stages] == [["embed"]]
         assert [s.layers for s in pipeline.stages] == [[1, 3, 4]]
+    elif spec.tied and spec.pp == 4:  # uniform over 6 layers: [0-1], [2-3], [4], [5]
+        assert [s.tied for s in pipeline.stages] == [["embed"], [], [], ["embed"]]
+        assert [s.layers for s in pipeline.stages] == [[1], [3], [4], []]
     elif spec.tied:
         assert [s.tied for s in pipeline.stages] == [["embed"], ["embed"]]
         assert [s.layers for s in pipeline.stages] == [[1], [3, 4]]

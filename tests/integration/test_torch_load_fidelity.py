@@ -21,15 +21,8 @@ import torch
 
 import ucformat
 import ucformat.torch as uctorch
-from tests.fixtures.models import (
-    BASE_LR,
-    BASE_WEIGHT_DECAY,
-    BETAS,
-    EPS,
-    build_model,
-    loss_fn,
-    make_batch,
-)
+from tests.fixtures.models import build_model, loss_fn, make_batch
+from tests.fixtures.torch_optim import grid_adam
 from tests.truth import load_truth
 
 pytestmark = pytest.mark.deepspeed
@@ -49,8 +42,7 @@ def _fresh(case: dict[str, Any], dtype: torch.dtype) -> tuple[torch.nn.Module, A
     model, groups = build_model(case["model"], seed=4321)
     for param in model.parameters():
         param.data = param.data.to(dtype)
-    cls = torch.optim.AdamW if case["optimizer"] == "torch_adamw" else torch.optim.Adam
-    return model, cls(groups, lr=BASE_LR, betas=BETAS, eps=EPS, weight_decay=BASE_WEIGHT_DECAY)
+    return model, grid_adam(groups, adamw=case["optimizer"] == "torch_adamw")
 
 
 def _torch_load_truth(model: torch.nn.Module, optimizer: Any, truth: dict[str, Any]) -> None:

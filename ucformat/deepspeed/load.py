@@ -32,6 +32,7 @@ from ucformat.deepspeed.engine import EngineView, describe_engine
 from ucformat.deepspeed.experts import held_elsewhere
 from ucformat.deepspeed.pipeline import other_stage_names
 from ucformat.deepspeed.tensor_parallel import logical_fragments, shard_maps
+from ucformat.deepspeed.unpartitioned import describe_unpartitioned, is_unpartitioned
 from ucformat.errors import ModelMismatchError, UCFormatError
 from ucformat.format.models import CheckpointManifest
 from ucformat.format.names import model_named
@@ -39,6 +40,7 @@ from ucformat.format.pyvalue import decode
 from ucformat.format.spec import BUFFER_STATE, FP32_STATE, STEP_STATE
 from ucformat.layout.partition import Fragment
 from ucformat.read.checkpoint import UniversalCheckpoint, open_checkpoint, scalar_value
+from ucformat.read.model_match import match_model, refuse_mismatch
 from ucformat.read.partitions import (
     FlatTarget,
     ReadTally,
@@ -116,7 +118,7 @@ def load(
     started = time.perf_counter()
     ckpt = store if isinstance(store, UniversalCheckpoint) else open_checkpoint(store)
     before, requests_before = ckpt.stats.bytes_read, ckpt.stats.requests
-    view = describe_engine(engine)
+    view = describe_unpartitioned(engine) if is_unpartitioned(engine) else describe_engine(engine)
     view.shard_maps = shard_maps(engine)
     manifest = ckpt.manifest
     report = LoadReport()
@@ -253,9 +255,9 @@ def _read_partitions(
 
 
 def _live_states(view: EngineView, index: int, keys: list[str]) -> dict[str, torch.Tensor]:
-    """The optimizer's existing state tensors of flat group ``index`` (those it has)."""
+    """The optimizer's existing state tensors of flat group ``index`` (those it has), flat."""
     state = view.base_optimizer.state.get(view.state_key(index), {})
-    return {key: state[key] for key in keys if isinstance(state.get(key), torch.Tensor)}
+    return {key: state[key].reshape(-1) for key in keys if isinstance(state.get(key), torch.Tensor)}
 
 
 def _has(manifest: CheckpointManifest, name: str) -> bool:
@@ -297,27 +299,14 @@ def _compare_models(
     strict: bool,
 ) -> None:
     params = dict(view.named_parameters())
-    wanted = trainable | set(frozen)
-    stored = set(manifest.params) - other_stage_names(view.engine.module, manifest.params)
-    problems: list[str] = []
-    report.missing = sorted(n for n in wanted if not _has(manifest, n))
-    elsewhere = held_elsewhere(view.engine, manifest, wanted)  # other EP ranks' experts
-    report.unexpected = sorted(stored - {manifest.resolve(n) for n in wanted} - elsewhere)
-    if report.missing:
-        problems.append(f"missing from the store: {', '.join(report.missing)}")
-    if report.unexpected:
-        problems.append(f"not in the model: {', '.join(report.unexpected)}")
     logical = {n: m.logical_shape for n, m in (view.shard_maps or {}).items()}
-    shapes = [
-        f"{n} (model {list(logical.get(n, _param_shape(params[n])))}, "
-        f"store {manifest.params[manifest.resolve(n)].shape})"
-        for n in sorted(wanted)
-        if _has(manifest, n)
-        and list(logical.get(n, _param_shape(params[n])))
-        != manifest.params[manifest.resolve(n)].shape
-    ]
-    if shapes:
-        problems.append(f"different shapes: {', '.join(shapes)}")
+    wanted = {n: list(logical.get(n, _param_shape(params[n]))) for n in trainable | set(frozen)}
+    stored = {n: e.shape for n, e in manifest.params.items()}
+    not_here = other_stage_names(view.engine.module, manifest.params)
+    not_here |= held_elsewhere(view.engine, manifest, set(wanted))  # other EP ranks' experts
+    match = match_model(wanted, stored, resolve=manifest.resolve, not_here=not_here)
+    report.missing, report.unexpected = match.missing, match.unexpected
+    also: list[str] = []
     if with_optimizer:
         bare = sorted(
             n
@@ -325,20 +314,13 @@ def _compare_models(
             if _has(manifest, n) and manifest.params[manifest.resolve(n)].group is None
         )
         if bare:
-            problems.append(
+            also.append(
                 f"trainable in the model but stored without optimizer state: {', '.join(bare)}"
             )
-    stored_buffers = set(manifest.buffers)
-    missing_buffers = sorted(set(buffers) - stored_buffers)
+    missing_buffers = sorted(set(buffers) - set(manifest.buffers))
     if missing_buffers:
-        problems.append(f"buffers missing from the store: {', '.join(missing_buffers)}")
-    if problems and (strict or shapes):
-        raise ModelMismatchError(
-            "the model does not match the checkpoint: "
-            + "; ".join(problems)
-            + ". Nothing was loaded. Pass strict=False to load the matching parameters only."
-        )
-    report.skipped.extend(problems)
+        also.append(f"buffers missing from the store: {', '.join(missing_buffers)}")
+    report.skipped.extend(refuse_mismatch(match, strict=strict, also=also))
 
 
 def _read_frozen(
@@ -393,7 +375,7 @@ def _restore_optimizer(
         state = optimizer.state[key]
         state.clear()
         for name, value in states.items():
-            state[name] = value.to(key.device)
+            state[name] = value.to(key.device).reshape(key.shape)  # ZeRO-0: param-shaped
         steps = {
             repr(scalar_value(manifest.params[manifest.resolve(n)].scalars[STEP_STATE]))
             for n in target.names

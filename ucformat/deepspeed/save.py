@@ -26,23 +26,16 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ucformat.collective import Group, group, settle
 from ucformat.deepspeed.engine import describe_engine
 from ucformat.deepspeed.source import describe_live
 from ucformat.errors import UnsupportedCheckpointError
 from ucformat.format.models import CheckpointManifest
-from ucformat.layout.ownership import writers_by_holdings
-from ucformat.store.keys import StoreLike, open_store
+from ucformat.store.keys import StoreLike
 from ucformat.write import background
 from ucformat.write.execute import DEFAULT_WORKERS
+from ucformat.write.live_save import LiveSave, LiveTarget, prepare_live_save, write_live_save
 from ucformat.write.plan import ConvertPlan, plan_convert
-from ucformat.write.spread import (
-    DEFAULT_EXCHANGE_BUDGET,
-    HostCopies,
-    SpreadReport,
-    holdings,
-    write_spread,
-)
+from ucformat.write.spread import DEFAULT_EXCHANGE_BUDGET
 
 __all__ = ["SaveHandle", "SaveReport", "save", "save_async"]
 
@@ -73,17 +66,6 @@ class SaveReport:
 SaveHandle = background.SaveHandle
 
 
-@dataclass
-class _Prepared:
-    plan: ConvertPlan
-    writers: list[int]
-    group: Group
-    store: Any
-    where: str
-    location: str
-    copies: HostCopies
-
-
 def _prepare(
     engine: Any,
     store: StoreLike,
@@ -94,45 +76,32 @@ def _prepare(
     chunk_bytes: int | None,
     shard_bytes: int | None,
     compressor: str,
-) -> _Prepared:
+) -> LiveSave:
     """Describe the engine, plan the store and agree that every rank could (collective)."""
     from ucformat.write.convert import convert_options
 
-    location = str(store)
-    where = f"{location}: ucformat.deepspeed.save"
-    ranks = group().operation()
-    copies = HostCopies(always=copy_all)
-    failure: Exception | None = None
-    prepared: _Prepared | None = None
-    try:
+    def plan(target: LiveTarget) -> ConvertPlan:
         if getattr(engine, "has_moe_layers", False):
             raise UnsupportedCheckpointError(
-                f"{where}: live saves of MoE engines are not supported yet; save with "
+                f"{target.where}: live saves of MoE engines are not supported yet; save with "
                 "engine.save_checkpoint and run 'ucformat convert' on it (docs/parallel.md)."
             )
-        view = describe_engine(engine)
         source = describe_live(
-            view,
-            rank=ranks.rank,
-            world_size=ranks.world_size,
+            describe_engine(engine),
+            rank=target.group.rank,
+            world_size=target.group.world_size,
             client_state=client_state,
-            location=location,
+            location=target.location,
             tag=tag,
-            copies=copies,
+            copies=target.copies,
         )
-        plan = plan_convert(source, convert_options(chunk_bytes, shard_bytes, compressor))
-        writers = writers_by_holdings(holdings(plan), ranks.world_size)
-        target = open_store(store, read_only=False)
-        prepared = _Prepared(plan, writers, ranks, target, where, location, copies)
-    except Exception as exc:  # every rank must learn of it
-        failure = exc
-    settle(failure, ranks, where)
-    assert prepared is not None
-    return prepared
+        return plan_convert(source, convert_options(chunk_bytes, shard_bytes, compressor))
+
+    return prepare_live_save(store, api="ucformat.deepspeed.save", copy_all=copy_all, plan=plan)
 
 
 def _write(
-    prepared: _Prepared,
+    prepared: LiveSave,
     *,
     overwrite: bool,
     workers: int,
@@ -140,20 +109,12 @@ def _write(
     started: float,
     blocked: float | None,
 ) -> SaveReport:
-    spread: SpreadReport = write_spread(
-        prepared.plan,
-        prepared.store,
-        writers=prepared.writers,
-        group=prepared.group,
-        where=prepared.where,
-        overwrite=overwrite,
-        workers=workers,
-        exchange_budget=exchange_budget,
-        overwrite_hint="overwrite=True",
+    spread = write_live_save(
+        prepared, overwrite=overwrite, workers=workers, exchange_budget=exchange_budget
     )
     seconds = time.perf_counter() - started
     return SaveReport(
-        store=prepared.location,
+        store=prepared.target.location,
         manifest=spread.manifest or prepared.plan.manifest,
         committed=spread.committed,
         units_written=spread.units_written,
@@ -161,7 +122,7 @@ def _write(
         bytes_sent=spread.bytes_sent,
         bytes_received=spread.bytes_received,
         exchange_rounds=spread.exchange_rounds,
-        host_copy_bytes=prepared.copies.nbytes,
+        host_copy_bytes=prepared.target.copies.nbytes,
         blocked_seconds=seconds if blocked is None else blocked,
         seconds=seconds,
     )

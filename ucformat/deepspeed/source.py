@@ -25,17 +25,16 @@ from typing import Any
 import torch
 
 from ucformat.deepspeed.engine import EngineView
-from ucformat.errors import LayoutMismatchError, UCFormatError
 from ucformat.format.dtypes import dtype_name
 from ucformat.format.models import (
     ClientState,
     LossScaler,
-    ScalarState,
     SourceInfo,
     TrainingProgress,
 )
 from ucformat.format.pyvalue import try_encode
-from ucformat.format.spec import FP32_STATE, VALUE_STATE
+from ucformat.format.spec import FP32_STATE
+from ucformat.format.training_values import encode_exact
 from ucformat.layout.partition import PerParamLayout
 from ucformat.sources.base import (
     ArraySource,
@@ -43,7 +42,8 @@ from ucformat.sources.base import (
     SourceCheckpoint,
     SourceFragment,
     SourceParam,
-    scalar_state,
+    frozen_param,
+    split_state,
 )
 from ucformat.sources.deepspeed.checkpoint import _client_state, _optimizer_info
 from ucformat.sources.deepspeed.states import FlatStates
@@ -112,21 +112,9 @@ def describe_live(
     params_by_name = dict(module.named_parameters())
     for target, fp32 in zip(view.targets, view.fp32, strict=True):
         state = view.base_optimizer.state.get(view.state_key(target.index), {})
-        tensors: dict[str, torch.Tensor] = {FP32_STATE: fp32}
-        scalars: dict[str, ScalarState] = {}
-        for key, value in state.items():
-            if isinstance(value, torch.Tensor) and value.dim() == 1:
-                if value.numel() != fp32.numel():
-                    raise LayoutMismatchError(
-                        f"flat group {target.index}: optimizer state '{key}' has "
-                        f"{value.numel()} elements, its fp32 partition {fp32.numel()}."
-                    )
-                tensors[str(key)] = value
-            else:
-                try:
-                    scalars[str(key)] = scalar_state(value, f"flat group {target.index} '{key}'")
-                except TypeError as exc:
-                    raise LayoutMismatchError(str(exc)) from None
+        where = f"flat group {target.index}: optimizer state"
+        flat_states, scalars = split_state(state, where, fp32.numel())
+        tensors: dict[str, torch.Tensor] = {FP32_STATE: fp32, **flat_states}
         local = {key: copies.host(value) for key, value in tensors.items()}
         dtypes = {key: dtype_name(value.dtype) for key, value in tensors.items()}
         for name in target.names:
@@ -190,13 +178,7 @@ def _frozen(
             array.fragments.append(SourceFragment(tensor, 0, frag.param_start, frag.length))
     else:
         array = _whole(param, rank, copies)
-    return SourceParam(
-        shape=array.shape,
-        dtype=array.dtype,
-        requires_grad=False,
-        group=None,
-        arrays={VALUE_STATE: array},
-    )
+    return frozen_param(array)
 
 
 def _whole(tensor: torch.Tensor, rank: int, copies: HostCopies) -> ArraySource:
@@ -258,13 +240,6 @@ def _source_info(view: EngineView, world_size: int, location: str, tag: str | No
     )
 
 
-def _exact(value: Any, what: str) -> Any:
-    ok, encoded = try_encode(value)
-    if not ok:
-        raise UCFormatError(f"{what}: cannot be stored exactly (contains {encoded}).")
-    return encoded
-
-
 def _progress(view: EngineView) -> TrainingProgress:
     """Counters, scheduler, and the wrapper's loss-scaler and clipping state.
 
@@ -281,7 +256,7 @@ def _progress(view: EngineView) -> TrainingProgress:
             class_name=type(scaler).__name__,
             dynamic=bool(attributes.get("dynamic", False)),
             cur_scale=float(attributes.get("cur_scale", 1.0)),
-            attributes={k: _exact(v, "loss_scaler") for k, v in attributes.items()},
+            attributes={k: encode_exact(v, "loss_scaler") for k, v in attributes.items()},
         )
     with_scale = view.kind in ("zero12", "zero3")
     clip = getattr(wrapper, "clip_grad", None) if view.kind != "zero3" else None
@@ -289,7 +264,7 @@ def _progress(view: EngineView) -> TrainingProgress:
         global_steps=int(engine.global_steps or 0),
         global_samples=int(engine.global_samples or 0),
         skipped_steps=int(engine.skipped_steps or 0),
-        lr_scheduler=_exact(scheduler.state_dict(), "lr_scheduler") if scheduler else None,
+        lr_scheduler=encode_exact(scheduler.state_dict(), "lr_scheduler") if scheduler else None,
         loss_scaler=loss_scaler,
         dynamic_loss_scale=_flag(wrapper, "dynamic_loss_scale") if with_scale else None,
         overflow=_flag(wrapper, "overflow") if with_scale else None,

@@ -52,6 +52,7 @@ from ucformat.export._native_target import NativePlan, native_target, plan_nativ
 from ucformat.export._replace import transactional
 from ucformat.export._run_folder import finish_destination, plan_destination, prepare_folder
 from ucformat.export._url_target import export_to_url, is_url
+from ucformat.export.deepspeed_experts import export_deepspeed_experts
 from ucformat.export.hf_trainer import trainer_notes
 from ucformat.format.models import CheckpointManifest
 from ucformat.format.summary import format_bytes
@@ -146,6 +147,7 @@ def export_deepspeed(
     remove_previous: bool = False,
     dry_run: bool = False,
     hooks: ExportHooks | None = None,
+    ep_size: int | None = None,
 ) -> ExportResult:
     """Write a native DeepSpeed ZeRO checkpoint for ``world_size`` ranks at ``stage``.
 
@@ -174,6 +176,8 @@ def export_deepspeed(
         remove_previous: once the export is complete, remove the tag ``latest`` named before.
         dry_run: plan only; write nothing (DeepSpeed is not needed).
         hooks: progress callbacks.
+        ep_size: an MoE store's target expert-parallel size (default: the source's); the
+            export is then :func:`~ucformat.export.deepspeed_experts.export_deepspeed_experts`.
 
     Raises:
         UnsupportedExportError: the store has no optimizer state, the stage or config cannot be
@@ -188,6 +192,13 @@ def export_deepspeed(
     clock = Stopwatch()
     hooks = hooks or ExportHooks()
     ckpt = open_store_arg(store)
+    if ckpt.manifest.experts is not None or ep_size is not None:  # MoE: docs/exports.md
+        experts = ckpt.manifest.experts
+        return export_deepspeed_experts(
+            ckpt, out, world_size=world_size, stage=stage, dtype=dtype, ds_config=ds_config,
+            tag=tag, overwrite=overwrite, remove_previous=remove_previous, dry_run=dry_run,
+            hooks=hooks, ep_size=ep_size or (experts.ep_size if experts else 1),
+        )  # fmt: skip
     if is_url(out):  # a fresh prefix: staged in a local folder, then uploaded
         tag_of_url = plan_deepspeed(
             ckpt.manifest,

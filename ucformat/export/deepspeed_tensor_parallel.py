@@ -1,17 +1,21 @@
-"""``ucformat export deepspeed --tp T``: a native DeepSpeed AutoTP checkpoint (ZeRO-1/2).
+"""``ucformat export deepspeed --tp T``: a native DeepSpeed AutoTP checkpoint (ZeRO-1, 2 or 3).
 
 The output is what ``engine.save_checkpoint`` writes in a job of ``world_size`` processes with
 ``"tensor_parallel": {"autotp_size": T}``: per tensor-parallel rank ``t`` an ordinary ZeRO
-checkpoint of that rank's *shards* (``mp_rank_{t:02d}_model_states.pt`` and one
+checkpoint of that rank's *shards* (``mp_rank_{t:02d}_model_states.pt``, at ZeRO-3 one
+``zero_pp_rank_{dp}_mp_rank_{t:02d}_model_states.pt`` per data-parallel rank instead, and one
 ``[bf16_]zero_pp_rank_{dp}_mp_rank_{t:02d}_optim_states.pt`` per data-parallel rank, at
 ``world_size / T`` data-parallel ranks), so that a stock ``engine.load_checkpoint`` at that
 layout restores it.
 
-The shard geometry at degree ``T`` is the store's own ``tensor_parallel`` section (a store
-converted from an AutoTP run at tp ``T``): AutoTP's split rules live in DeepSpeed's partitioner
-and the model, not in the store, so another degree is refused. Algorithm: for each rank ``t``,
-a *shard view* of the store (parameters in their shard shapes, every flat range of a shard read
-as the full-array ranges its pieces name) is handed to the plain native export's planner and file
+The shard geometry at degree ``T`` comes from the split rules the manifest records
+(:mod:`ucformat.export._tp_layout`): the recorded shards when the store was converted at tp
+``T``; at another degree each parameter is cut again by its recorded rule (replicated; split on a
+dim, per sub-parameter, near-even); at tp 1 every parameter is whole. A store without a
+``tensor_parallel`` section can take the rules of another store (``tp_layout``). What the rules
+cannot cut exactly is refused, naming the parameter. Algorithm: for each rank ``t``, a *shard
+view* of the store (parameters in their shard shapes, every flat range of a shard read as the
+full-array ranges its pieces name) is handed to the plain native export's planner and file
 builders (:mod:`ucformat.export.deepspeed_native`), which write that rank's files.
 """
 
@@ -36,9 +40,9 @@ from ucformat.export._deepspeed_common import (
 from ucformat.export._native_files import RankFiles
 from ucformat.export._native_target import NativeTarget, native_target, plan_native
 from ucformat.export._replace import transactional
+from ucformat.export._tp_layout import target_shard_maps, tp_grain_size
 from ucformat.format.models import CheckpointManifest
-from ucformat.format.tensor_parallel import ParamSplit
-from ucformat.layout.tensor_parallel import Piece, ShardMap
+from ucformat.layout.tensor_parallel import ShardMap
 from ucformat.read.checkpoint import UniversalCheckpoint
 from ucformat.sources.deepspeed.files import LATEST_FILE, model_states_file, optim_states_file
 from ucformat.store.keys import StoreLike
@@ -59,21 +63,6 @@ class _RankTarget(NativeTarget):
     def model_file(self, rank: int) -> str:
         """Model-states file name at this tp rank."""
         return model_states_file(rank if self.stage == 3 else None, self.mp)
-
-
-def _shard_map(name: str, split: ParamSplit, rank: int) -> ShardMap:
-    shard = split.shards[rank]
-    pieces = [
-        Piece(
-            tuple(p.shape),
-            p.source_offset,
-            tuple(p.source_strides),
-            p.dest_offset,
-            tuple(p.dest_strides),
-        )
-        for p in shard.pieces
-    ]
-    return ShardMap.build(split.logical_shape, shard.shard_shape, pieces, f"param '{name}'")
 
 
 class _ShardView:
@@ -125,33 +114,34 @@ def export_deepspeed_tensor_parallel(
     dtype: str | None = None,
     tag: str | None = None,
     overwrite: bool = False,
+    tp_layout: StoreLike | UniversalCheckpoint | None = None,
 ) -> list[str]:
     """Write a native AutoTP checkpoint for ``world_size`` processes at tp ``tp``; return the
     files written (relative to ``out``).
 
+    ``tp_layout``: another store whose ``tensor_parallel`` section gives the split rules (for a
+    store without one, e.g. from a data-parallel-only run); default: the store's own.
+
     Raises:
-        UnsupportedExportError: the store holds no tensor-parallel layout at degree ``tp``,
-            ``world_size`` is not a multiple of ``tp``, or ``stage`` is 3.
+        UnsupportedExportError: the split rules cannot cut some parameter exactly at ``tp``
+            (the message names it), or ``world_size`` is not a multiple of ``tp``.
         StoreExistsError: ``out/<tag>`` exists and ``overwrite`` is not set.
     """
     ckpt = open_store_arg(store)
     manifest = ckpt.manifest
-    layout = manifest.tensor_parallel
-    if stage == 3:
-        raise UnsupportedExportError(
-            "a native AutoTP export is written for ZeRO-1/2 only; pass --stage 1 or 2."
-        )
+    rules_ckpt = ckpt if tp_layout is None else open_store_arg(tp_layout)
     if world_size % tp:
         raise UnsupportedExportError(
             f"world size {world_size} is not a multiple of tp {tp}; expected tp x dp processes."
         )
-    if layout is None or layout.degree != tp:
-        found = "none" if layout is None else f"tp {layout.degree}"
-        raise UnsupportedExportError(
-            f"a native AutoTP export at tp {tp} needs the store's shard layout at that degree "
-            f"(found {found}); AutoTP's split rules live in DeepSpeed and the model. Export at "
-            "the source's tp, or load the store into the new engine with ucformat.deepspeed.load."
-        )
+    rules = rules_ckpt.manifest
+    rank_maps = target_shard_maps(
+        manifest.params,
+        rules.tensor_parallel,
+        tp,
+        str(rules_ckpt.where),
+        tp_grain_size(rules.source.ds_config),
+    )
     dp = world_size // tp
     base = native_target(manifest, world_size=dp, stage=stage, dtype=dtype, tag=tag)
     folder = Path(out)
@@ -164,8 +154,7 @@ def export_deepspeed_tensor_parallel(
     classes = deepspeed_classes("deepspeed")
     scaler, dynamic = build_loss_scaler(classes, manifest, base.dtype, base.ds_config)
     written: list[str] = []
-    for rank in range(tp):
-        maps = {name: _shard_map(name, layout.params[name], rank) for name in manifest.params}
+    for rank, maps in enumerate(rank_maps):
         view = cast("UniversalCheckpoint", _ShardView(ckpt, maps))
         target = _RankTarget(**{f.name: getattr(base, f.name) for f in fields(base)}, mp=rank)
         plan = plan_native(view.manifest, target)
@@ -173,22 +162,25 @@ def export_deepspeed_tensor_parallel(
             raise UnsupportedExportError(
                 "frozen parameters or buffers in a tensor-parallel export are not supported."
             )
-        module = module_state_dict(view, target.dtype, placeholders=False)
-        state, _ = model_states(
-            view.manifest,
-            module=module,
-            param_shapes=group_shapes(view.manifest, [g.members for g in plan.flat_groups]),
-            frozen_shapes=OrderedDict() if stage == 2 else None,
-            frozen_fragments=OrderedDict() if stage == 2 else None,
-            shared_params=dict(manifest.tied),
-            world_size=dp,
-            ds_config=target.ds_config,
-            ds_version=classes.version,
-        )
-        state["mp_world_size"] = tp
-        state["checkpoint_parallel_dimensions"] = {"pp_degree": 1, "tp_degree": tp}
-        atomic_torch_save(state, tag_dir / target.model_file(0))
-        written.append(f"{base.tag}/{target.model_file(0)}")
+        # ZeRO-3: one model-states file per data-parallel rank, the module as placeholders (the
+        # weights live in the optimizer files' partitions), the tied names in rank 0's only
+        module = module_state_dict(view, target.dtype, placeholders=stage == 3)
+        for dp_rank in range(dp if stage == 3 else 1):
+            state, _ = model_states(
+                view.manifest,
+                module=module,
+                param_shapes=group_shapes(view.manifest, [g.members for g in plan.flat_groups]),
+                frozen_shapes=OrderedDict() if stage in (2, 3) else None,
+                frozen_fragments=OrderedDict() if stage in (2, 3) else None,
+                shared_params=dict(manifest.tied) if dp_rank == 0 else {},
+                world_size=dp,
+                ds_config=target.ds_config,
+                ds_version=classes.version,
+            )
+            state["mp_world_size"] = tp
+            state["checkpoint_parallel_dimensions"] = {"pp_degree": 1, "tp_degree": tp}
+            atomic_torch_save(state, tag_dir / target.model_file(dp_rank))
+            written.append(f"{base.tag}/{target.model_file(dp_rank)}")
         files = RankFiles(view, plan, classes, scaler, dynamic)
         for dp_rank in range(dp):
             atomic_torch_save(files.optimizer_file(dp_rank), tag_dir / target.optim_file(dp_rank))

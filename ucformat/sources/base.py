@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import math
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
+from ucformat.errors import LayoutMismatchError
 from ucformat.format.dtypes import dtype_name
 from ucformat.format.experts import ExpertLayout
 from ucformat.format.megatron import MegatronLayout
@@ -24,6 +25,7 @@ from ucformat.format.models import (
     TrainingProgress,
 )
 from ucformat.format.pyvalue import describe_type
+from ucformat.format.spec import VALUE_STATE
 from ucformat.format.tensor_parallel import TensorParallelInfo
 from ucformat.sources.torchfile import TensorRef, TorchFile
 
@@ -37,7 +39,9 @@ __all__ = [
     "SourceCheckpoint",
     "SourceFragment",
     "SourceParam",
+    "frozen_param",
     "scalar_state",
+    "split_state",
 ]
 
 
@@ -153,6 +157,17 @@ class SourceCheckpoint:
         self.close()
 
 
+def frozen_param(array: ArraySource) -> SourceParam:
+    """A parameter the optimizer does not train: its value only, no group, no state."""
+    return SourceParam(
+        shape=array.shape,
+        dtype=array.dtype,
+        requires_grad=False,
+        group=None,
+        arrays={VALUE_STATE: array},
+    )
+
+
 def scalar_state(value: Any, where: str) -> ScalarState:
     """Describe a 0-d optimizer state (python number or 0-d tensor) exactly.
 
@@ -171,6 +186,45 @@ def scalar_state(value: Any, where: str) -> ScalarState:
     if torch is not None and isinstance(value, torch.Tensor) and value.dim() == 0:
         return _tensor_scalar(value.item(), dtype_name(value.dtype))
     raise TypeError(f"{where}: expected a scalar optimizer state, found {describe_type(value)}")
+
+
+def split_state(
+    state: Mapping[Any, Any], where: str, size: int | None = None
+) -> tuple[dict[str, Any], dict[str, ScalarState]]:
+    """One parameter group's (or flat partition's) optimizer state: 1-D tensors, then scalars.
+
+    A 1-D value (:class:`TensorRef` in a file, or a live ``torch.Tensor``) is a flat state and
+    must have ``size`` elements where ``size`` is given; every other value must be a scalar
+    state (:func:`scalar_state`).
+
+    Raises:
+        LayoutMismatchError: a flat state of another length, or a value that is neither; the
+            message starts with ``where`` and names the key.
+    """
+    arrays: dict[str, Any] = {}
+    scalars: dict[str, ScalarState] = {}
+    for key, value in state.items():
+        length = _flat_length(value)
+        if length is None:
+            try:
+                scalars[str(key)] = scalar_state(value, f"{where} '{key}'")
+            except TypeError as exc:
+                raise LayoutMismatchError(str(exc)) from None
+            continue
+        if size is not None and length != size:
+            raise LayoutMismatchError(f"{where} '{key}' has {length} elements, expected {size}.")
+        arrays[str(key)] = value
+    return arrays, scalars
+
+
+def _flat_length(value: Any) -> int | None:
+    """The element count of a 1-D tensor (file or live), None for anything else."""
+    if isinstance(value, TensorRef):
+        return value.numel if len(value.shape) == 1 else None
+    torch = sys.modules.get("torch")  # a torch tensor exists only once torch is imported
+    if torch is not None and isinstance(value, torch.Tensor) and value.dim() == 1:
+        return int(value.numel())
+    return None
 
 
 def _tensor_scalar(value: Any, dtype: str) -> ScalarState:

@@ -26,14 +26,10 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from pydantic import ValidationError
-
 from ucformat.errors import (
     LayoutMismatchError,
     NotACheckpointError,
     SourceNotFoundError,
-    UCFormatError,
-    UnsupportedCheckpointError,
 )
 from ucformat.format.models import (
     ClientState,
@@ -43,8 +39,9 @@ from ucformat.format.models import (
     SourceFile,
     SourceInfo,
 )
-from ucformat.format.pyvalue import describe_type, encode, try_encode
+from ucformat.format.pyvalue import describe_type, encode
 from ucformat.format.spec import FP32_STATE, VALUE_STATE
+from ucformat.format.training_values import NotStored, encode_client_state
 from ucformat.layout.boxes import chunk_runs
 from ucformat.sources.base import (
     ArraySource,
@@ -57,10 +54,12 @@ from ucformat.sources.dcp_layout import DcpLayout, split_layout
 from ucformat.sources.dcp_metadata import (
     METADATA_NAME,
     DcpBytes,
+    DcpChunk,
     DcpMetadata,
     DcpTensor,
     read_dcp_metadata,
 )
+from ucformat.sources.reading import describing
 from ucformat.sources.safe_unpickle import PicklePolicy
 from ucformat.sources.torchfile import TensorRef, TorchFile, open_embedded_torch_file
 from ucformat.sources.torchtitan import training_progress
@@ -105,27 +104,8 @@ def read_dcp_checkpoint(
     folder = Path(src)
     metadata = metadata or read_dcp_metadata(folder)
     reader = _Reader(folder, metadata, policy or PicklePolicy())
-    try:
+    with describing(folder, "the DCP items", "dcp.save", reader.close):
         return reader.describe(model_key, optimizer_key)
-    except UCFormatError:
-        reader.close()
-        raise
-    except ValidationError as exc:  # a value the manifest cannot hold exactly (e.g. inf)
-        reader.close()
-        first = exc.errors()[0]
-        raise UnsupportedCheckpointError(
-            f"{folder}: {exc.title}.{'.'.join(map(str, first['loc']))} = {first.get('input')!r} "
-            f"cannot be stored in the manifest ({first['msg']})."
-        ) from None
-    except (KeyError, IndexError, TypeError, ValueError, AttributeError) as exc:
-        reader.close()
-        raise NotACheckpointError(
-            f"{folder}: unexpected content in the DCP items ({type(exc).__name__}: "
-            f"{str(exc)[:200]}); the files are damaged or not written by dcp.save."
-        ) from None
-    except BaseException:
-        reader.close()
-        raise
 
 
 class _Reader:
@@ -193,23 +173,27 @@ class _Reader:
             runs = chunk_runs(entry.shape, chunk.offsets, chunk.sizes)
             if not runs:
                 continue
-            handle = self._open(key, chunk.offsets)
-            tensor = handle.obj
-            if not isinstance(tensor, TensorRef):
-                raise LayoutMismatchError(
-                    f"{handle.path}: the item of '{key}' holds {describe_type(tensor)}, not a "
-                    "tensor."
-                )
-            if tensor.shape != chunk.sizes or tensor.dtype_name != entry.dtype:
-                raise LayoutMismatchError(
-                    f"{handle.path}: the chunk of '{key}' at {list(chunk.offsets)} is "
-                    f"{tensor.dtype_name}{list(tensor.shape)}, but {METADATA_NAME} says "
-                    f"{entry.dtype}{list(chunk.sizes)}; files from different saves are mixed."
-                )
+            tensor = self.chunk_tensor(key, entry, chunk)
             array.fragments.extend(
                 SourceFragment(tensor, run.chunk_start, run.start, run.length) for run in runs
             )
         return array
+
+    def chunk_tensor(self, key: str, entry: DcpTensor, chunk: DcpChunk) -> TensorRef:
+        """The tensor of one chunk of entry ``key``, checked against what the metadata says."""
+        handle = self._open(key, chunk.offsets)
+        tensor = handle.obj
+        if not isinstance(tensor, TensorRef):
+            raise LayoutMismatchError(
+                f"{handle.path}: the item of '{key}' holds {describe_type(tensor)}, not a tensor."
+            )
+        if tensor.shape != chunk.sizes or tensor.dtype_name != entry.dtype:
+            raise LayoutMismatchError(
+                f"{handle.path}: the chunk of '{key}' at {list(chunk.offsets)} is "
+                f"{tensor.dtype_name}{list(tensor.shape)}, but {METADATA_NAME} says "
+                f"{entry.dtype}{list(chunk.sizes)}; files from different saves are mixed."
+            )
+        return tensor
 
     def scalar(self, key: str) -> ScalarState:
         """A 0-d optimizer state (tensor entry of shape ``()``, or a Python number)."""
@@ -312,40 +296,49 @@ class _Reader:
         return OptimizerGroup(params=list(members), hyperparams=hyper)
 
     def _client_state(self, keys: list[str]) -> ClientState:
-        values: dict[str, Any] = {}
-        unrepresentable: dict[str, str] = {}
-        for key in keys:
-            entry = self.metadata.entries[key]
-            if isinstance(entry, DcpTensor):
-                unrepresentable[key] = f"tensor {entry.dtype}{list(entry.shape)}"
-                continue
-            ok, encoded = try_encode(self.value(key))
-            if ok:
-                values[key] = encoded
-            else:
-                unrepresentable[key] = encoded
-        return ClientState(values=values, unrepresentable=unrepresentable)
+        return encode_client_state((key, self._client_value(key)) for key in keys)
+
+    def _client_value(self, key: str) -> Any:
+        entry = self.metadata.entries[key]
+        if isinstance(entry, DcpTensor):
+            return NotStored(f"tensor {entry.dtype}{list(entry.shape)}")
+        return self.value(key)
 
     def _source_info(self, params: dict[str, SourceParam]) -> SourceInfo:
         floats = Counter(p.dtype for p in params.values() if p.dtype in _FLOATING)
         folders = sorted({n.rpartition("/")[0] for n in self.metadata.data_files}) or [""]
         metadata_files = [f"{d}/{METADATA_NAME}" if d else METADATA_NAME for d in folders]
         names = [*metadata_files, *self.metadata.data_files]
+        train = floats.most_common(1)[0][0] if floats else "float32"
+        return self.source_info(names, checkpoint_format="torch-dcp", train_dtype=train)
+
+    def source_info(
+        self,
+        names: list[str],
+        *,
+        checkpoint_format: str,
+        train_dtype: str,
+        optimizer_wrapper: str = "",
+    ) -> SourceInfo:
+        """The provenance of a folder written by ``dcp.save``: its files ``names`` (sizes read
+        now), its world size, the format built on DCP."""
         return SourceInfo(
             framework="pytorch",
             framework_version="unknown",
             written_by="convert",
-            checkpoint_format="torch-dcp",
+            checkpoint_format=checkpoint_format,
             path=str(self.folder.resolve()),
             tag="",
             world_size=self.metadata.world_size,
-            train_dtype=floats.most_common(1)[0][0] if floats else "float32",  # type: ignore[arg-type]
+            train_dtype=train_dtype,  # type: ignore[arg-type]
+            optimizer_wrapper=optimizer_wrapper,
             files=[SourceFile(name=n, size=(self.folder / n).stat().st_size) for n in names],
         )
 
 
 #: The item opener, for readers of formats built on DCP (Megatron-Core ``torch_dist``):
-#: ``DcpItems(folder, metadata, policy)``, then ``array(key)``, ``value(key)``, ``open_item``.
+#: ``DcpItems(folder, metadata, policy)``, then ``array(key)``, ``value(key)``, ``open_item``,
+#: ``chunk_tensor``, ``source_info``.
 DcpItems = _Reader
 
 

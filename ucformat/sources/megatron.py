@@ -40,12 +40,12 @@ from ucformat.format.models import (
     OptimizerGroup,
     OptimizerInfo,
     ScalarState,
-    SourceFile,
     SourceInfo,
     TrainingProgress,
 )
-from ucformat.format.pyvalue import describe_type, encode, try_encode
+from ucformat.format.pyvalue import describe_type, encode
 from ucformat.format.spec import FP32_STATE
+from ucformat.format.training_values import NotStored, encode_client_state
 from ucformat.layout.boxes import chunk_runs
 from ucformat.sources.base import ArraySource, SourceCheckpoint, SourceFragment, SourceParam
 from ucformat.sources.dcp import DcpItems
@@ -56,7 +56,7 @@ from ucformat.sources.dcp_metadata import (
     read_dcp_metadata,
 )
 from ucformat.sources.safe_unpickle import PicklePolicy, StandIn
-from ucformat.sources.torchfile import TensorRef, open_torch_file
+from ucformat.sources.torchfile import open_torch_file
 
 __all__ = ["is_megatron_folder", "read_megatron_checkpoint"]
 
@@ -139,7 +139,7 @@ class _Describer:
         self,
         folder: Path,
         metadata: DcpMetadata,
-        items: Any,
+        items: DcpItems,
         common: dict[str, Any],
         config: dict[str, Any],
     ) -> None:
@@ -282,14 +282,7 @@ class _Describer:
             first, count = chunk.offsets[0], chunk.sizes[0]
             if not first <= layer < first + count:
                 continue
-            handle = self.items.open_item(key, chunk.offsets)
-            tensor = handle.obj
-            if not isinstance(tensor, TensorRef) or tensor.shape != chunk.sizes:
-                raise LayoutMismatchError(
-                    f"{handle.path}: the chunk of '{key}' at {list(chunk.offsets)} holds "
-                    f"{describe_type(tensor)}, not the {entry.dtype}{list(chunk.sizes)} tensor "
-                    f"{METADATA_NAME} lists; files from different saves are mixed."
-                )
+            tensor = self.items.chunk_tensor(key, entry, chunk)
             skip = (layer - first) * math.prod(chunk.sizes[1:])
             for run in chunk_runs(inner, chunk.offsets[1:], chunk.sizes[1:]):
                 array.fragments.append(
@@ -394,22 +387,17 @@ class _Describer:
 
     # --- the rest -------------------------------------------------------------------------
     def _client_state(self) -> ClientState:
-        values: dict[str, Any] = {}
-        unrepresentable: dict[str, str] = {}
-        for key, value in self.common.items():
-            if key == "optimizer":
-                continue
-            if key == "args":
-                value = _attributes(value)
-            ok, encoded = try_encode(value)
-            if ok:
-                values[key] = encoded
-            else:
-                unrepresentable[key] = encoded
-        for key, entry in self.metadata.entries.items():
-            if not isinstance(entry, DcpTensor) and _is_weight(key):
-                unrepresentable[key] = "ShardedObject"
-        return ClientState(values=values, unrepresentable=unrepresentable)
+        common = [
+            (key, _attributes(value) if key == "args" else value)
+            for key, value in self.common.items()
+            if key != "optimizer"
+        ]
+        objects = [
+            (key, NotStored("ShardedObject"))
+            for key, entry in self.metadata.entries.items()
+            if not isinstance(entry, DcpTensor) and _is_weight(key)
+        ]
+        return encode_client_state([*common, *objects])
 
     def _source_info(self) -> SourceInfo:
         names = [METADATA_NAME, *self.metadata.data_files, METADATA_JSON]
@@ -423,17 +411,11 @@ class _Describer:
         train = (
             "bfloat16" if "bfloat16" in dtypes else "float16" if "float16" in dtypes else "float32"
         )
-        return SourceInfo(
-            framework="pytorch",
-            framework_version="unknown",
-            written_by="convert",
+        return self.items.source_info(
+            names,
             checkpoint_format="megatron-torch_dist",
-            path=str(self.folder.resolve()),
-            tag="",
-            world_size=self.metadata.world_size,
-            train_dtype=train,  # type: ignore[arg-type]
+            train_dtype=train,
             optimizer_wrapper="DistributedOptimizer" if self.optim else "",
-            files=[SourceFile(name=n, size=(self.folder / n).stat().st_size) for n in names],
         )
 
 

@@ -40,6 +40,7 @@ from ucformat.format.names import model_name
 from ucformat.format.pyvalue import decode
 from ucformat.format.spec import BUFFER_STATE, FP32_STATE, STEP_STATE, VALUE_STATE
 from ucformat.read.checkpoint import UniversalCheckpoint, open_checkpoint, scalar_value
+from ucformat.read.model_match import match_model, refuse_mismatch
 from ucformat.store.keys import StoreLike
 from ucformat.torch.dtensor import is_dtensor, reshard
 from ucformat.torch.optim_groups import merged_group, torch_group, torch_step_tensor
@@ -169,22 +170,11 @@ def _check_model(
     model: torch.nn.Module, saved: dict[str, torch.Tensor], strict: bool, report: TorchLoadReport
 ) -> None:
     live = model.state_dict()
-    report.missing = sorted(set(live) - set(saved))
-    report.unexpected = sorted(set(saved) - set(live))
-    shapes = [
-        f"{k} {tuple(saved[k].shape)} in the store vs {tuple(live[k].shape)} in the model"
-        for k in sorted(set(live) & set(saved))
-        if saved[k].shape != live[k].shape
-    ]
-    problems = [f"shape {s}" for s in shapes]
-    if strict:
-        problems += [f"missing from the store: {', '.join(report.missing)}"] * bool(report.missing)
-        problems += [f"not in the model: {', '.join(report.unexpected)}"] * bool(report.unexpected)
-    if problems:
-        raise ModelMismatchError(
-            "the model does not match the checkpoint: " + "; ".join(problems) + ". Nothing was "
-            "loaded; fix the model" + (" or pass strict=False." if strict and not shapes else ".")
-        )
+    match = match_model(
+        {k: v.shape for k, v in live.items()}, {k: v.shape for k, v in saved.items()}
+    )
+    report.missing, report.unexpected = match.missing, match.unexpected
+    refuse_mismatch(match, strict=strict)
 
 
 def _live_names(model: torch.nn.Module) -> dict[int, str]:

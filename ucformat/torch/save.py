@@ -38,28 +38,26 @@ from typing import Any
 
 import torch
 
-from ucformat.collective import Group, group, settle
-from ucformat.errors import UCFormatError
+from ucformat.collective import Group
 from ucformat.format.dtypes import dtype_name, itemsize, torch_dtype
 from ucformat.format.models import (
     CheckpointManifest,
-    ClientState,
     OptimizerGroup,
     OptimizerInfo,
     SourceInfo,
     TrainingProgress,
 )
 from ucformat.format.names import model_name, model_named
-from ucformat.format.pyvalue import encode, try_encode
+from ucformat.format.pyvalue import encode
 from ucformat.format.spec import (
     FP32_STATE,
     VALUE_STATE,
     buffer_array_path,
     state_array_path,
 )
+from ucformat.format.training_values import encode_client_state, encode_exact
 from ucformat.layout.chunking import Chunking
 from ucformat.layout.dtensor import aligned_chunking
-from ucformat.layout.ownership import writers_by_holdings
 from ucformat.sources.base import (
     ArraySource,
     FragmentTensor,
@@ -68,7 +66,7 @@ from ucformat.sources.base import (
     SourceParam,
     scalar_state,
 )
-from ucformat.store.keys import StoreLike, open_store
+from ucformat.store.keys import StoreLike
 from ucformat.torch.dtensor import (
     LocalShard,
     is_dtensor,
@@ -80,14 +78,13 @@ from ucformat.torch.dtensor import (
 from ucformat.write import background
 from ucformat.write.convert import convert_options
 from ucformat.write.execute import DEFAULT_WORKERS
+from ucformat.write.live_save import LiveSave, LiveTarget, prepare_live_save, write_live_save
 from ucformat.write.plan import ConvertPlan, plan_convert
 from ucformat.write.spread import (
     DEFAULT_EXCHANGE_BUDGET,
     HostCopies,
     MemoryTensor,
     RemoteTensor,
-    holdings,
-    write_spread,
 )
 
 __all__ = ["save", "save_async"]
@@ -154,16 +151,6 @@ def _optimizer_name(optimizer: torch.optim.Optimizer) -> tuple[str, bool | None]
     if cls.__name__ == "Adam":
         return name, False
     return name, None
-
-
-def _exact(value: Any, what: str) -> Any:
-    ok, encoded = try_encode(value)
-    if not ok:
-        raise UCFormatError(
-            f"{what}: cannot be stored exactly (contains {encoded}); give a state whose values "
-            "are numbers, strings, lists and dicts."
-        )
-    return encoded
 
 
 def _describe(
@@ -247,15 +234,9 @@ def _describe(
     )
     train_dtype = dtype_name(trainable_params[0].dtype) if trainable_params else "float32"
     steps = [s.value for p in out.values() for k, s in p.scalars.items() if k == "step"]
-    values: dict[str, Any] = {}
-    unrepresentable: dict[str, str] = {}
-    for key, value in (client_state or {}).items():
-        ok, encoded = try_encode(value)
-        if ok:
-            values[str(key)] = encoded
-        else:
-            unrepresentable[str(key)] = str(encoded)
-    lr_scheduler = None if scheduler is None else _exact(scheduler.state_dict(), "lr_scheduler")
+    lr_scheduler = (
+        None if scheduler is None else encode_exact(scheduler.state_dict(), "lr_scheduler")
+    )
     source_ckpt = SourceCheckpoint(
         source=SourceInfo(
             framework="pytorch",
@@ -278,7 +259,7 @@ def _describe(
         progress=TrainingProgress(
             global_steps=int(max(steps, default=0)), lr_scheduler=lr_scheduler
         ),
-        client_state=ClientState(values=values, unrepresentable=unrepresentable),
+        client_state=encode_client_state((client_state or {}).items()),
     )
     return _Described(source_ckpt, rows, shapes)
 
@@ -295,15 +276,6 @@ def _plan(described: _Described, chunk_bytes: int | None, shard_bytes: int | Non
     return plan_convert(described.source, replace(options, layouts=layouts))
 
 
-@dataclass
-class _Prepared:
-    plan: ConvertPlan
-    writers: list[int]
-    group: Group
-    store: Any
-    where: str
-
-
 def _prepare(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer | None,
@@ -314,40 +286,25 @@ def _prepare(
     chunk_bytes: int | None,
     shard_bytes: int | None,
     copy_all: bool,
-) -> _Prepared:
+) -> LiveSave:
     """Describe, plan and choose the writers; agree that every rank could (collective)."""
-    location = str(store)
-    where = f"{location}: ucformat.torch.save"
-    ranks = group().operation()
     reshard(model)
-    failure: Exception | None = None
-    prepared: _Prepared | None = None
-    try:
-        copies = HostCopies(always=copy_all)
-        described = _describe(model, optimizer, scheduler, client_state, location, ranks, copies)
-        plan = _plan(described, chunk_bytes, shard_bytes)
-        writers = writers_by_holdings(holdings(plan), ranks.world_size)
-        prepared = _Prepared(plan, writers, ranks, open_store(store, read_only=False), where)
-    except Exception as exc:  # every rank must learn of it
-        failure = exc
-    settle(failure, ranks, where)
-    assert prepared is not None
-    return prepared
+
+    def plan(target: LiveTarget) -> ConvertPlan:
+        described = _describe(
+            model, optimizer, scheduler, client_state, target.location, target.group,
+            target.copies,
+        )  # fmt: skip
+        return _plan(described, chunk_bytes, shard_bytes)
+
+    return prepare_live_save(store, api="ucformat.torch.save", copy_all=copy_all, plan=plan)
 
 
 def _write(
-    prepared: _Prepared, *, overwrite: bool, workers: int, exchange_budget: int
+    prepared: LiveSave, *, overwrite: bool, workers: int, exchange_budget: int
 ) -> CheckpointManifest:
-    report = write_spread(
-        prepared.plan,
-        prepared.store,
-        writers=prepared.writers,
-        group=prepared.group,
-        where=prepared.where,
-        overwrite=overwrite,
-        workers=workers,
-        exchange_budget=exchange_budget,
-        overwrite_hint="overwrite=True",
+    report = write_live_save(
+        prepared, overwrite=overwrite, workers=workers, exchange_budget=exchange_budget
     )
     return report.manifest or prepared.plan.manifest
 

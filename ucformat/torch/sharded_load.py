@@ -39,6 +39,7 @@ from ucformat.format.names import model_named
 from ucformat.format.pyvalue import decode
 from ucformat.format.spec import FP32_STATE, STEP_STATE
 from ucformat.read.checkpoint import BUFFER_STATE, UniversalCheckpoint, scalar_value
+from ucformat.read.model_match import match_model, refuse_mismatch
 from ucformat.torch.dtensor import LocalShard, local_shard, persistent_buffers
 from ucformat.torch.optim_groups import merged_group, torch_step_tensor
 
@@ -65,32 +66,17 @@ def _check_model(
     report: Any,
 ) -> None:
     """Raise :class:`ModelMismatchError` (before anything changes) naming what differs."""
-    resolved = {manifest.resolve(name) for name in params}
-    report.missing = sorted(n for n in params if manifest.resolve(n) not in manifest.params)
-    report.missing += sorted(n for n in buffers if n not in manifest.buffers)
-    report.unexpected = sorted(set(manifest.params) - resolved)
-    report.unexpected += sorted(set(manifest.buffers) - set(buffers))
-    shapes = [
-        f"{n} (model {list(t.shape)}, store {manifest.params[manifest.resolve(n)].shape})"
-        for n, t in sorted(params.items())
-        if manifest.resolve(n) in manifest.params
-        and list(t.shape) != manifest.params[manifest.resolve(n)].shape
-    ]
-    shapes += [
-        f"buffer {n} (model {list(b.shape)}, store {manifest.buffers[n].shape})"
-        for n, b in sorted(buffers.items())
-        if n in manifest.buffers and list(b.shape) != manifest.buffers[n].shape
-    ]
-    problems = [f"different shapes: {', '.join(shapes)}"] if shapes else []
-    if strict and report.missing:
-        problems.append(f"missing from the store: {', '.join(report.missing)}")
-    if strict and report.unexpected:
-        problems.append(f"not in the model: {', '.join(report.unexpected)}")
-    if problems:
-        raise ModelMismatchError(
-            "the model does not match the checkpoint: " + "; ".join(problems) + ". Nothing was "
-            "loaded; fix the model" + (" or pass strict=False." if strict and not shapes else ".")
-        )
+    match = match_model(
+        {n: t.shape for n, t in params.items()},
+        {n: e.shape for n, e in manifest.params.items()},
+        resolve=manifest.resolve,
+    ) + match_model(
+        {n: b.shape for n, b in buffers.items()},
+        {n: e.shape for n, e in manifest.buffers.items()},
+        label="buffer ",
+    )
+    report.missing, report.unexpected = match.missing, match.unexpected
+    refuse_mismatch(match, strict=strict)
 
 
 def _match_groups(

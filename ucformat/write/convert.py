@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ucformat.format.models import CheckpointManifest
 from ucformat.layout.chunking import ChunkPolicy
@@ -21,6 +22,9 @@ from ucformat.store.locations import local_source
 from ucformat.store.manifest_io import commit_manifest
 from ucformat.write.execute import DEFAULT_WORKERS, create_arrays, write_units
 from ucformat.write.plan import ConvertOptions, ConvertPlan, plan_convert
+
+if TYPE_CHECKING:
+    from ucformat.sources.base import SourceCheckpoint
 
 __all__ = [
     "ConvertHooks",
@@ -53,14 +57,8 @@ def plan_from_source(
     tp_max: int | None = None,
 ) -> ConvertPlan:
     """Read ``src``'s metadata and plan its conversion, without writing anything."""
-    with read_source(
-        local_source(src),
-        tag=tag,
-        policy=_pickle_policy(opaque_globals),
-        model_key=model_key,
-        optimizer_key=optimizer_key,
-        check_crc=False,  # a dry run reads no tensor bytes
-    ) as source:
+    # a dry run reads no tensor bytes: nothing to checksum
+    with _read(src, tag, opaque_globals, model_key, optimizer_key, check_crc=False) as source:
         return plan_convert(source, _options(chunk_bytes, shard_bytes, compressor, tp_max))
 
 
@@ -121,13 +119,8 @@ def convert(
         >>> manifest = ucformat.convert("runs/gpt/global_step800", "ckpt.ucf")  # doctest: +SKIP
     """
     hooks = hooks or ConvertHooks()
-    with read_source(
-        local_source(src),
-        tag=tag,
-        policy=_pickle_policy(opaque_globals),
-        model_key=model_key,
-        optimizer_key=optimizer_key,
-        check_crc=check_source,
+    with _read(
+        src, tag, opaque_globals, model_key, optimizer_key, check_crc=check_source
     ) as source:
         plan = plan_convert(source, _options(chunk_bytes, shard_bytes, compressor, tp_max))
         if hooks.on_plan is not None:
@@ -173,6 +166,26 @@ def _options(
         raise ValueError(f"tp_max must be at least 1, got {tp_max}")
     policy = ChunkPolicy(chunk, shard, tp_max=tp_max or default.tp_max)
     return ConvertOptions(policy=policy, compressor=compressor)
+
+
+def _read(
+    src: str | Path,
+    tag: str | None,
+    opaque_globals: Iterable[str],
+    model_key: str | None,
+    optimizer_key: str | None,
+    *,
+    check_crc: bool,
+) -> SourceCheckpoint:
+    """The source at ``src`` (a local folder), opened by the reader its files call for."""
+    return read_source(
+        local_source(src),
+        tag=tag,
+        policy=_pickle_policy(opaque_globals),
+        model_key=model_key,
+        optimizer_key=optimizer_key,
+        check_crc=check_crc,
+    )
 
 
 def _pickle_policy(opaque_globals: Iterable[str]) -> PicklePolicy:

@@ -12,12 +12,9 @@ from math import prod
 from pathlib import Path
 from typing import Any, cast
 
-from pydantic import ValidationError
-
 from ucformat.errors import (
     LayoutMismatchError,
     NotACheckpointError,
-    UCFormatError,
     UnsupportedCheckpointError,
 )
 from ucformat.format.experts import ExpertLayout
@@ -31,9 +28,16 @@ from ucformat.format.models import (
     TrainingProgress,
 )
 from ucformat.format.pyvalue import encode, try_encode
-from ucformat.format.spec import FP32_STATE, VALUE_STATE
+from ucformat.format.spec import FP32_STATE
+from ucformat.format.training_values import encode_client_state, encode_exact
 from ucformat.layout.partition import PerParamLayout
-from ucformat.sources.base import ArraySource, SourceCheckpoint, SourceFragment, SourceParam
+from ucformat.sources.base import (
+    ArraySource,
+    SourceCheckpoint,
+    SourceFragment,
+    SourceParam,
+    frozen_param,
+)
 from ucformat.sources.deepspeed.experts import MOE_KEYS, read_moe_states
 from ucformat.sources.deepspeed.files import (
     ZeroFiles,
@@ -51,6 +55,7 @@ from ucformat.sources.deepspeed.tensor_parallel import (
     find_tensor_parallel_files,
     merge_tensor_parallel,
 )
+from ucformat.sources.reading import describing
 from ucformat.sources.safe_unpickle import PicklePolicy, StandIn
 from ucformat.sources.torchfile import TensorRef, TorchFile, open_torch_file
 
@@ -95,7 +100,7 @@ def read_deepspeed_checkpoint(
         _check_model_file(folder, policy)  # a random .pt is "not DeepSpeed", not "unsupported"
         raise
     handles: list[TorchFile] = []
-    try:
+    with describing(folder, "the shard files", "a supported DeepSpeed", lambda: _close(handles)):
         models = [_open(p, policy, handles, check_crc) for p in files.model_files]
         optim = [_open(p, policy, handles, check_crc) for p in files.optim_files]
         others = [
@@ -107,25 +112,6 @@ def read_deepspeed_checkpoint(
         ]
         opener = lambda path: _open(path, policy, handles, check_crc)  # noqa: E731
         return _describe(files, models, optim, handles, opener, others)
-    except UCFormatError:
-        _close(handles)
-        raise
-    except ValidationError as exc:  # a value the manifest cannot hold exactly (e.g. inf)
-        _close(handles)
-        first = exc.errors()[0]
-        raise UnsupportedCheckpointError(
-            f"{folder}: {exc.title}.{'.'.join(map(str, first['loc']))} = {first.get('input')!r} "
-            f"cannot be stored in the manifest ({first['msg']})."
-        ) from None
-    except (KeyError, IndexError, TypeError, ValueError, AttributeError) as exc:
-        _close(handles)  # structure that no DeepSpeed version writes: damaged or foreign files
-        raise NotACheckpointError(
-            f"{folder}: unexpected content in the shard files ({type(exc).__name__}: "
-            f"{str(exc)[:200]}); they are damaged or not written by a supported DeepSpeed."
-        ) from None
-    except BaseException:
-        _close(handles)
-        raise
 
 
 def _close(handles: list[TorchFile]) -> None:
@@ -316,7 +302,7 @@ def _frozen_params(
         skip = trainable | set(tied) | set(buffer_names)
         for name, value in module.items():
             if name not in skip and isinstance(value, TensorRef):
-                frozen[name] = _frozen(_whole(value, models[0], name))
+                frozen[name] = frozen_param(_whole(value, models[0], name))
         return frozen
     for name, shape in shapes.items():
         dims = tuple(int(d) for d in shape)
@@ -326,7 +312,7 @@ def _frozen_params(
                     f"{models[0].path}: has 'frozen_param_shapes' but no "
                     "'frozen_param_fragments'; not a DeepSpeed ZeRO-2 model-states file."
                 )
-            frozen[name] = _frozen(_whole(fragments[name], models[0], name, dims))
+            frozen[name] = frozen_param(_whole(fragments[name], models[0], name, dims))
             continue
         layout = PerParamLayout.build([(name, prod(dims))], world_size)
         pieces = [h.obj["frozen_param_fragments"][name] for h in models]
@@ -335,18 +321,8 @@ def _frozen_params(
             array.fragments.append(
                 SourceFragment(pieces[frag.rank], 0, frag.param_start, frag.length)
             )
-        frozen[name] = _frozen(array)
+        frozen[name] = frozen_param(array)
     return frozen
-
-
-def _frozen(array: ArraySource) -> SourceParam:
-    return SourceParam(
-        shape=array.shape,
-        dtype=array.dtype,
-        requires_grad=False,
-        group=None,
-        arrays={VALUE_STATE: array},
-    )
 
 
 def _whole(
@@ -415,7 +391,7 @@ def _progress(meta: Mapping[str, Any], optimizer_state: Mapping[str, Any]) -> Tr
         global_steps=int(meta.get("global_steps") or 0),
         global_samples=int(meta.get("global_samples") or 0),
         skipped_steps=int(meta.get("skipped_steps") or 0),
-        lr_scheduler=_encode_or_raise(meta.get("lr_scheduler"), "lr_scheduler"),
+        lr_scheduler=encode_exact(meta.get("lr_scheduler"), "lr_scheduler"),
         loss_scaler=_loss_scaler(scaler) if isinstance(scaler, StandIn) else None,
         dynamic_loss_scale=_optional_bool(optimizer_state.get("dynamic_loss_scale")),
         overflow=_optional_bool(optimizer_state.get("overflow")),
@@ -428,9 +404,7 @@ def _optional_bool(value: Any) -> bool | None:
 
 
 def _loss_scaler(scaler: StandIn) -> LossScaler:
-    attributes = {
-        str(k): _encode_or_raise(v, "loss_scaler") for k, v in scaler.attributes().items()
-    }
+    attributes = {str(k): encode_exact(v, "loss_scaler") for k, v in scaler.attributes().items()}
     return LossScaler(
         class_name=type(scaler).ucformat_qualname.rpartition(".")[2],
         dynamic=bool(scaler.attributes().get("dynamic", False)),
@@ -439,34 +413,14 @@ def _loss_scaler(scaler: StandIn) -> LossScaler:
     )
 
 
-def _encode_or_raise(value: Any, what: str) -> Any:
-    ok, encoded = try_encode(value)
-    if not ok:
-        raise UCFormatError(f"{what}: cannot be stored exactly (contains {encoded}).")
-    return encoded
-
-
 def _encode_or_none(value: Any) -> Any:
     ok, encoded = try_encode(value)
     return encoded if ok else None
 
 
 def _client_state(meta: Mapping[str, Any]) -> ClientState:
-    values: dict[str, Any] = {}
-    unrepresentable: dict[str, str] = {}
-    for key, value in meta.items():
-        if key in DEEPSPEED_KEYS or key in MOE_KEYS:
-            continue
-        ok, encoded = try_encode(value)
-        if ok:
-            values[str(key)] = encoded
-        else:
-            unrepresentable[str(key)] = encoded
-    for key in ("data_sampler", "random_ltd"):
-        if meta.get(key) is not None:
-            ok, encoded = try_encode(meta[key])
-            if ok:
-                values[f"deepspeed.{key}"] = encoded
-            else:
-                unrepresentable[f"deepspeed.{key}"] = encoded
-    return ClientState(values=values, unrepresentable=unrepresentable)
+    """The client's keys of a model-states file, then DeepSpeed's sampler and random-LTD state."""
+    own = [(k, v) for k, v in meta.items() if k not in DEEPSPEED_KEYS and k not in MOE_KEYS]
+    kept = ("data_sampler", "random_ltd")
+    extra = [(f"deepspeed.{k}", meta[k]) for k in kept if meta.get(k) is not None]
+    return encode_client_state([*own, *extra])

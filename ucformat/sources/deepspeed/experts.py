@@ -34,7 +34,7 @@ from ucformat.format.models import ScalarState
 from ucformat.format.spec import FP32_STATE
 from ucformat.layout.experts import ExpertRanks, expert_id
 from ucformat.layout.partition import PartitionedFlatLayout
-from ucformat.sources.base import ArraySource, SourceFragment, scalar_state
+from ucformat.sources.base import ArraySource, SourceFragment, scalar_state, split_state
 from ucformat.sources.deepspeed.states import FlatStates, read_zero12_states
 from ucformat.sources.torchfile import TensorRef, TorchFile
 
@@ -397,21 +397,12 @@ def _zero12_states(
                 f"{handle.path}: the expert group's fp32 partition has "
                 f"{getattr(fp32, 'numel', '?')} elements, expected {flat_layout.partition_size}."
             )
-        tensors: dict[str, TensorRef] = {FP32_STATE: fp32}
-        scalars: dict[str, ScalarState] = {}
-        for key, value in osd["base_optimizer_state"]["state"].get(g, {}).items():
-            if isinstance(value, TensorRef) and len(value.shape) == 1:
-                if value.numel != flat_layout.partition_size:
-                    raise LayoutMismatchError(
-                        f"{handle.path}: expert state '{key}' has {value.numel} elements, "
-                        f"expected {flat_layout.partition_size}."
-                    )
-                tensors[str(key)] = value
-            else:
-                try:
-                    scalars[str(key)] = scalar_state(value, f"{handle.path}: expert state '{key}'")
-                except TypeError as exc:
-                    raise LayoutMismatchError(str(exc)) from None
+        flat, scalars = split_state(
+            osd["base_optimizer_state"]["state"].get(g, {}),
+            f"{handle.path}: expert state",
+            flat_layout.partition_size,
+        )
+        tensors: dict[str, TensorRef] = {FP32_STATE: fp32, **flat}
         for frag in flat_layout.fragments(position):
             name = ranks.global_name(rank, frag.name)
             shape = tuple(int(d) for d in shapes[frag.name])

@@ -28,7 +28,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from pydantic import ValidationError
 
 from ucformat.errors import (
     LayoutMismatchError,
@@ -41,11 +40,10 @@ from ucformat.format.dtypes import numpy_storage_dtype
 from ucformat.format.models import SourceFile, SourceInfo
 from ucformat.format.pipeline import PipelineLayout, PipelineStage
 from ucformat.layout.pipeline import TIED_PREFIX, parse_pipeline_name, stage_owners
-from ucformat.sources.base import ArraySource, SourceCheckpoint, SourceParam
+from ucformat.sources.base import ArraySource, SourceCheckpoint, SourceParam, frozen_param
 from ucformat.sources.deepspeed.checkpoint import (
     _client_state,
     _encode_or_none,
-    _frozen,
     _model_meta,
     _optimizer_info,
     _progress,
@@ -56,6 +54,7 @@ from ucformat.sources.deepspeed.checkpoint import (
 )
 from ucformat.sources.deepspeed.files import locate_tag_folder
 from ucformat.sources.deepspeed.states import FlatStates, read_zero12_states
+from ucformat.sources.reading import describing
 from ucformat.sources.safe_unpickle import PicklePolicy
 from ucformat.sources.torchfile import TensorRef, TorchFile, open_torch_file
 
@@ -189,30 +188,11 @@ def read_pipeline_checkpoint(
         handles.append(handle)
         return handle
 
-    try:
+    with describing(folder, "the pipeline files", "a supported DeepSpeed", lambda: _close(handles)):
         models = [opened(p) for p in files.model_files]
         optim = [[opened(p) for p in stage] for stage in files.optim_files]
         layers = {index: opened(p) for index, p in sorted(files.layer_files.items())}
         return _describe(files, models, optim, layers, handles)
-    except UCFormatError:
-        _close(handles)
-        raise
-    except ValidationError as exc:
-        _close(handles)
-        first = exc.errors()[0]
-        raise UnsupportedCheckpointError(
-            f"{folder}: {exc.title}.{'.'.join(map(str, first['loc']))} = {first.get('input')!r} "
-            f"cannot be stored in the manifest ({first['msg']})."
-        ) from None
-    except (KeyError, IndexError, TypeError, ValueError, AttributeError) as exc:
-        _close(handles)
-        raise NotACheckpointError(
-            f"{folder}: unexpected content in the pipeline files ({type(exc).__name__}: "
-            f"{str(exc)[:200]}); they are damaged or not written by a supported DeepSpeed."
-        ) from None
-    except BaseException:
-        _close(handles)
-        raise
 
 
 def _close(handles: list[TorchFile]) -> None:
@@ -469,7 +449,7 @@ def _layer_state(
             if name in buffer_names:
                 buffers.setdefault(name, _whole(value, handle, name))
             elif name not in frozen:
-                frozen[name] = _frozen(_whole(value, handle, name))
+                frozen[name] = frozen_param(_whole(value, handle, name))
     return frozen
 
 

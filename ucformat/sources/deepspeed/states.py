@@ -17,7 +17,7 @@ from ucformat.errors import LayoutMismatchError, NotACheckpointError
 from ucformat.format.models import ScalarState
 from ucformat.format.spec import FP32_STATE
 from ucformat.layout.partition import Fragment, PartitionedFlatLayout, PerParamLayout
-from ucformat.sources.base import ArraySource, SourceFragment, scalar_state
+from ucformat.sources.base import ArraySource, SourceFragment, split_state
 from ucformat.sources.torchfile import TensorRef, TorchFile
 
 __all__ = ["FlatStates", "read_zero12_states", "read_zero3_states"]
@@ -86,16 +86,7 @@ def _add_fragments(
 def _split_state(
     state: Mapping[str, Any], handle: TorchFile, where: str
 ) -> tuple[dict[str, TensorRef], dict[str, ScalarState]]:
-    arrays: dict[str, TensorRef] = {}
-    scalars: dict[str, ScalarState] = {}
-    for key, value in state.items():
-        if isinstance(value, TensorRef) and len(value.shape) == 1:
-            arrays[str(key)] = value
-        else:
-            try:
-                scalars[str(key)] = scalar_state(value, f"{handle.path}: {where} '{key}'")
-            except TypeError as exc:
-                raise LayoutMismatchError(str(exc)) from None
+    arrays, scalars = split_state(state, f"{handle.path}: {where}")
     if FP32_STATE in arrays:
         raise LayoutMismatchError(f"{handle.path}: optimizer state key '{FP32_STATE}' is reserved.")
     return arrays, scalars

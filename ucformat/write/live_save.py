@@ -1,0 +1,100 @@
+"""The one tail of every live save (``ucformat.deepspeed.save``, ``ucformat.torch.save``).
+
+A binding only turns its framework's live state into a plan; the rest is the same for all:
+
+1. :func:`prepare_live_save` (collective, in the caller's thread): the binding's ``plan``
+   callback describes the live state as fragments and plans the store; the writer of each unit
+   is chosen by holdings (:func:`~ucformat.layout.ownership.writers_by_holdings`) and the store
+   is opened; every rank then agrees that every rank got this far
+   (:func:`~ucformat.collective.settle`: one :class:`~ucformat.errors.CollectiveError` on every
+   rank otherwise, and nothing is written);
+2. :func:`write_live_save` (collective, in the caller's thread for ``save``, in the background
+   thread of :mod:`ucformat.write.background` for ``save_async``): the plan spread over the
+   ranks (:func:`~ucformat.write.spread.write_spread`: exchange of straddling shards, one commit
+   after agreement).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from ucformat.collective import Group, group, settle
+from ucformat.layout.ownership import writers_by_holdings
+from ucformat.store.keys import StoreLike, open_store
+from ucformat.write.plan import ConvertPlan
+from ucformat.write.spread import HostCopies, SpreadReport, holdings, write_spread
+
+__all__ = ["LiveSave", "LiveTarget", "prepare_live_save", "write_live_save"]
+
+
+@dataclass(frozen=True)
+class LiveTarget:
+    """Where a live save goes and who takes part: what the binding's plan callback gets."""
+
+    #: The store as the caller named it.
+    location: str
+    #: ``"<location>: <api>"``, the prefix of every message of this save.
+    where: str
+    #: ucformat's private group of the ranks taking part.
+    group: Group
+    #: Host copies of the tensors written (all of them for ``save_async``).
+    copies: HostCopies
+
+
+@dataclass(frozen=True)
+class LiveSave:
+    """A live save every rank has prepared: its plan, the writer of each unit, the store."""
+
+    target: LiveTarget
+    plan: ConvertPlan
+    writers: list[int]
+    store: Any
+
+
+def prepare_live_save(
+    store: StoreLike, *, api: str, copy_all: bool, plan: Callable[[LiveTarget], ConvertPlan]
+) -> LiveSave:
+    """Plan the save on this rank and agree that every rank could (collective).
+
+    Args:
+        store: the destination (path, URL or zarr ``Store``), the same on every rank.
+        api: the public function, for messages (``"ucformat.torch.save"``).
+        copy_all: copy every tensor written to host memory now (``save_async``).
+        plan: the binding's describe-and-plan step.
+
+    Raises:
+        CollectiveError: some rank failed (one process: its own error), on every rank.
+    """
+    location = str(store)
+    ranks = group().operation()
+    target = LiveTarget(location, f"{location}: {api}", ranks, HostCopies(always=copy_all))
+    failure: Exception | None = None
+    prepared: LiveSave | None = None
+    try:
+        planned = plan(target)
+        writers = writers_by_holdings(holdings(planned), ranks.world_size)
+        prepared = LiveSave(target, planned, writers, open_store(store, read_only=False))
+    except Exception as exc:  # every rank must learn of it
+        failure = exc
+    settle(failure, ranks, target.where)
+    assert prepared is not None
+    return prepared
+
+
+def write_live_save(
+    save: LiveSave, *, overwrite: bool, workers: int, exchange_budget: int
+) -> SpreadReport:
+    """Write the prepared save spread over its ranks and commit once all agree (collective)."""
+    return write_spread(
+        save.plan,
+        save.store,
+        writers=save.writers,
+        group=save.target.group,
+        where=save.target.where,
+        overwrite=overwrite,
+        workers=workers,
+        exchange_budget=exchange_budget,
+        overwrite_hint="overwrite=True",
+    )
