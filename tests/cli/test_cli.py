@@ -430,7 +430,7 @@ def test_destination_that_is_a_file(tmp_path: Path) -> None:
 def _newer_version(store: Path, tmp_path: Path) -> Path:
     path = copy_store(store, tmp_path)
     manifest = json.loads((path / "ucformat.json").read_text())
-    manifest["format_version"] = "3.0"
+    manifest["format_version"] = "4.0"
     (path / "ucformat.json").write_text(json.dumps(manifest))
     return path
 
@@ -453,7 +453,7 @@ BAD_STORES: dict[str, tuple[Callable[[Path, Path], Path], list[str]]] = {
     "a DeepSpeed folder": (lambda s, t: ZERO2, ["not a ucformat store"]),
     "a plain zarr store": (_plain_zarr, ["a zarr store, but not a ucformat one"]),
     "incomplete": (_incomplete, ["incomplete ucformat store", "--overwrite"]),
-    "newer format": (_newer_version, ["format 3.0, but this ucformat reads format 2.x"]),
+    "newer format": (_newer_version, ["format 4.0, but this ucformat reads format 3.x"]),
 }
 
 

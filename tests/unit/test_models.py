@@ -63,10 +63,10 @@ def test_edited_manifest_is_caught_by_digest() -> None:
 
 def test_newer_major_version_is_refused_with_both_versions() -> None:
     data = json.loads(payload(tiny_manifest()))
-    data["format_version"] = "3.0"
+    data["format_version"] = "4.0"
     data["new_field"] = {}
     with pytest.raises(
-        UnsupportedVersionError, match=r"format 3\.0, but this ucformat reads format 2\.x"
+        UnsupportedVersionError, match=r"format 4\.0, but this ucformat reads format 3\.x"
     ):
         parse_manifest(json.dumps(data).encode(), "s")
 

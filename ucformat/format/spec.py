@@ -9,6 +9,7 @@ __all__ = [
     "BUFFERS_PREFIX",
     "BUFFER_STATE",
     "FORMAT_NAME",
+    "FLAT_CHUNKS_VERSION",
     "FORMAT_VERSION",
     "FP32_STATE",
     "MANIFEST_KEY",
@@ -23,13 +24,17 @@ __all__ = [
 ]
 
 FORMAT_NAME: Final = "ucformat"
-#: Major.minor written by this implementation (docs/format.md §5). Readers accept any minor of
-#: a major they know and refuse a newer major.
-FORMAT_VERSION = "2.1"
+#: The newest major.minor this implementation writes (docs/format.md §5). Readers accept any
+#: minor of a major they know and refuse a newer major.
+FORMAT_VERSION = "3.0"
+#: What a writer writes when every array's chunks are flat-contiguous (§2.2, §5.3): format 3.0
+#: differs from 2.1 only in allowing box chunks, so such a store stays readable by 2.x readers.
+FLAT_CHUNKS_VERSION = "2.1"
 #: Per major this implementation reads: the newest minor whose members it knows. A manifest of
 #: a newer minor may hold members it does not know; they are ignored, and digested (§3.7, §5).
-#: Format 1 differs from 2 only in its digest rule and in the state name of frozen parameters.
-KNOWN_MINOR: dict[int, int] = {1: 0, 2: 1}
+#: Format 1 differs from 2 only in its digest rule and in the state name of frozen parameters;
+#: format 3 from 2 only in its chunk shapes.
+KNOWN_MINOR: dict[int, int] = {1: 0, 2: 1, 3: 0}
 #: Key of the manifest in the store root. Written last; its presence marks the store complete.
 MANIFEST_KEY = "ucformat.json"
 PARAMS_PREFIX = "params"

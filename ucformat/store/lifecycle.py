@@ -42,9 +42,10 @@ _PARTIAL_ROOT = re.compile(r"^(zarr|ucformat)\.[0-9a-f]{32}\.partial$")
 _STORE_FOLDERS = frozenset({"params", "buffers"})
 
 
-def start_store(store: Store, overwrite: bool) -> bool:
+def start_store(store: Store, overwrite: bool, format_version: str = FORMAT_VERSION) -> bool:
     """Lock the destination, check it (see ``overwrite``) and write the root group: an
-    uncommitted store.
+    uncommitted store. ``format_version`` goes into the root group's attribute: the manifest's
+    (the plan's :func:`~ucformat.write.plan.layout_version`), so the two agree.
 
     Returns:
         True if the destination did not exist before (local stores), for :func:`discard_store`.
@@ -62,7 +63,7 @@ def start_store(store: Store, overwrite: bool) -> bool:
             created = prepare_destination(store, overwrite)
         with store_writes(store, f"writing {ROOT_KEY}"):
             create_root_group(
-                store, {FORMAT_NAME: {"format_version": FORMAT_VERSION, "manifest": MANIFEST_KEY}}
+                store, {FORMAT_NAME: {"format_version": format_version, "manifest": MANIFEST_KEY}}
             )
     except BaseException:
         discard_store(store, False)

@@ -43,6 +43,7 @@ from ucformat.format.dtypes import numpy_storage_dtype
 from ucformat.format.models import ArrayRef, CheckpointManifest
 from ucformat.format.spec import FORMAT_NAME, MANIFEST_KEY
 from ucformat.format.summary import format_bytes
+from ucformat.layout.chunking import is_flat_chunking
 from ucformat.layout.grid import chunk_box, chunk_flat_range, chunks_in_box, shard_grid
 from ucformat.store.arrays import (
     Array,
@@ -265,10 +266,20 @@ def _check_manifest(
     elif not digest_matches(document):
         report.add("manifest", MANIFEST_KEY, "digest mismatch: edited after it was written")
     arrays, seen = [], set[str]()
+    flat_only = int(manifest.format_version.partition(".")[0]) < 3
     for array in manifest_arrays(manifest):
         problems = ref_problems(array, seen)
         for message in problems:
             report.add("manifest", MANIFEST_KEY, message)
+        ref = array.ref
+        if flat_only and not problems and not is_flat_chunking(ref.shape, ref.chunk_shape):
+            report.add(
+                "manifest",
+                MANIFEST_KEY,
+                f"{array.what}: chunk shape {ref.chunk_shape} is a box, which format "
+                f"{manifest.format_version} does not allow (§2.2); a store with box chunks "
+                "must say format 3.0, or readers of format 2 misread it",
+            )
         if problems:
             report.add("manifest", array.ref.path, "its chunks were not checked")
         else:

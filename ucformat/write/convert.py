@@ -128,7 +128,7 @@ def convert(
         if dry_run:
             return plan.manifest
         store = open_store(dst, read_only=False)
-        created = start_store(store, overwrite)
+        created = start_store(store, overwrite, plan.manifest.format_version)
         try:
             with store_writes(store, "writing the arrays"):
                 arrays = create_arrays(store, plan)

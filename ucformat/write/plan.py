@@ -26,6 +26,7 @@ from ucformat.errors import InvalidNameError
 from ucformat.format.dtypes import itemsize
 from ucformat.format.models import ArrayRef, BufferEntry, CheckpointManifest, ParamEntry
 from ucformat.format.spec import (
+    FLAT_CHUNKS_VERSION,
     FORMAT_VERSION,
     FP32_STATE,
     VALUE_STATE,
@@ -33,11 +34,31 @@ from ucformat.format.spec import (
     name_problem,
     state_array_path,
 )
-from ucformat.layout.chunking import Chunking, ChunkPolicy, choose_chunking
+from ucformat.layout.chunking import Chunking, ChunkPolicy, choose_chunking, is_flat_chunking
 from ucformat.layout.ranges import check_tiling
 from ucformat.sources.base import ArraySource, SourceCheckpoint, SourceFragment
 
-__all__ = ["ConvertOptions", "ConvertPlan", "CopyItem", "WriteUnit", "plan_convert"]
+__all__ = [
+    "ConvertOptions",
+    "ConvertPlan",
+    "CopyItem",
+    "WriteUnit",
+    "layout_version",
+    "plan_convert",
+]
+
+
+def layout_version(arrays: list[ArrayRef]) -> str:
+    """The lowest format version whose layout rules ``arrays`` satisfy (docs/format.md §5.3).
+
+    Format 3.0 only adds box chunks to 2.1: a store whose every chunk shape is flat-contiguous
+    is written as 2.1, so readers of format 2 still read it; one box-chunked array makes it 3.0,
+    which they refuse instead of misreading.
+    """
+    flat = all(
+        prod(ref.shape) == 0 or is_flat_chunking(ref.shape, ref.chunk_shape) for ref in arrays
+    )
+    return FLAT_CHUNKS_VERSION if flat else FORMAT_VERSION
 
 
 @dataclass(frozen=True)
@@ -49,9 +70,10 @@ class ConvertOptions:
     #: Chunk and shard shapes for these array paths, instead of the policy's choice (``verify``
     #: re-plans a source in the layout of an existing store).
     layouts: Mapping[str, Chunking] = field(default_factory=dict)
-    #: The format version of the manifest. Only ``verify`` asks for another than the current
-    #: one: to re-plan a source as a format-1 writer laid it out (frozen values under ``fp32``).
-    format_version: str = FORMAT_VERSION
+    #: The format version of the manifest; None: the lowest that describes the layout
+    #: (:func:`layout_version`). ``verify`` asks for the store's own: to re-plan a source as
+    #: that writer laid it out (format 1: frozen values under ``fp32``).
+    format_version: str | None = None
 
 
 @dataclass(frozen=True)
@@ -117,7 +139,7 @@ def plan_convert(source: SourceCheckpoint, options: ConvertOptions) -> ConvertPl
         sources.append(array)
         return ref
 
-    legacy = options.format_version.partition(".")[0] == "1"
+    legacy = (options.format_version or "").partition(".")[0] == "1"
     aliases: dict[str, list[str]] = {}
     for alias, owner in source.tied.items():
         aliases.setdefault(owner, []).append(alias)
@@ -151,7 +173,7 @@ def plan_convert(source: SourceCheckpoint, options: ConvertOptions) -> ConvertPl
     }
     tied = {alias: owner for alias, owner in source.tied.items() if owner in params}
     manifest = CheckpointManifest(
-        format_version=options.format_version,
+        format_version=options.format_version or layout_version(arrays),
         created_by=f"ucformat {__version__}",
         source=source.source,
         params=params,

@@ -314,7 +314,7 @@ def write_spread(
     if rank == 0:
         try:
             try:
-                created = start_store(store, overwrite)
+                created = start_store(store, overwrite, plan.manifest.format_version)
             except StoreExistsError as exc:
                 if not overwrite_hint:
                     raise
