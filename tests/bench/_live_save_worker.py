@@ -21,9 +21,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
+import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # repo root, for `tests.*`
 
@@ -65,28 +68,31 @@ def main() -> int:
     for step in range(case.steps):
         _step(engine, case, step, rank)
     out = Path(job["dir"])
-    times: dict[str, float] = {}
+    repeat = int(job.get("repeat", 1))
+    runs: dict[str, list[float]] = {}
 
-    def timed(name: str, action: object) -> object:
+    def timed(name: str, action: object, clear: Path | None = None) -> object:
+        if clear is not None and rank == 0:  # every save starts on an empty destination
+            shutil.rmtree(clear, ignore_errors=True)
         dist.barrier()
         started = time.perf_counter()
         result = action()  # type: ignore[operator]
-        times[name] = _slowest(time.perf_counter() - started)
+        runs.setdefault(name, []).append(_slowest(time.perf_counter() - started))
         return result
 
-    timed("save_checkpoint", lambda: engine.save_checkpoint(
-        str(out / "native"), tag=TAG, client_state={"universal_checkpoint_info": {}}))  # fmt: skip
-    live = out / "live.ucf"
-    profile_dir = os.environ.get("UCFORMAT_BENCH_PROFILE")  # cProfile the save, per rank
-    if profile_dir:
+    native, live = out / "native", out / "live.ucf"
+    profile_dir = os.environ.get("UCFORMAT_BENCH_PROFILE")  # cProfile the first save, per rank
+
+    def save() -> object:
+        if not (profile_dir and "save" not in runs):
+            return ucformat.deepspeed.save(engine, live, overwrite=True)
         import cProfile
 
         profiler = cProfile.Profile()
-        profiler.enable()
-    report = timed("save", lambda: ucformat.deepspeed.save(engine, live, overwrite=True))
-    if profile_dir:
-        profiler.disable()
+        report = profiler.runcall(ucformat.deepspeed.save, engine, live, overwrite=True)
         profiler.dump_stats(str(Path(profile_dir) / f"save-rank{rank}.prof"))
+        return report
+
     view = describe_engine(engine)
 
     def copy_partitions() -> int:
@@ -96,21 +102,43 @@ def main() -> int:
                        if isinstance(v, torch.Tensor) and v.dim() == 1]  # fmt: skip
         return sum(c.numel() * c.element_size() for c in copies)
 
-    copied = timed("copy_floor", copy_partitions)
-    dist.barrier()
-    started = time.perf_counter()
-    handle = ucformat.deepspeed.save_async(engine, out / "async.ucf", overwrite=True)
-    times["save_async_blocked"] = _slowest(time.perf_counter() - started)
-    _step(engine, case, case.steps, rank)  # training goes on while the store is written
-    async_report = handle.result()
-    times["async_total"] = _slowest(time.perf_counter() - started)
+    def save_async() -> object:
+        if rank == 0:
+            shutil.rmtree(out / "async.ucf", ignore_errors=True)
+        dist.barrier()
+        started = time.perf_counter()
+        handle = ucformat.deepspeed.save_async(engine, out / "async.ucf", overwrite=True)
+        runs.setdefault("save_async_blocked", []).append(_slowest(time.perf_counter() - started))
+        _step(engine, case, case.steps, rank)  # training goes on while the store is written
+        result = handle.result()
+        runs.setdefault("async_total", []).append(_slowest(time.perf_counter() - started))
+        return result
+
+    copied, report, async_report = 0, None, None
+    for index in range(repeat):  # each pair in alternating order
+        order = -1 if index % 2 else 1
+        pair: list[tuple[str, Any, Path]] = [
+            ("save_checkpoint", lambda: engine.save_checkpoint(
+                str(native), tag=TAG, client_state={"universal_checkpoint_info": {}}), native),
+            ("save", save, live),
+        ]  # fmt: skip
+        for name, action, clear in pair[::order]:
+            result = timed(name, action, clear)
+            if name == "save":
+                report = result
+        for name in ("copy_floor", "save_async")[::order]:
+            if name == "copy_floor":
+                copied = int(timed(name, copy_partitions))  # type: ignore[call-overload]
+            else:
+                async_report = save_async()
+    times = {name: statistics.median(values) for name, values in runs.items()}
     dist.barrier()
     if rank == 0:
         Path(job["result"]).write_text(json.dumps({
-            "case": case.name, "times": times, "partition_bytes_rank0": copied,
+            "case": case.name, "times": times, "runs": runs, "partition_bytes_rank0": copied,
             "save_bytes_written_rank0": report.bytes_written,  # type: ignore[attr-defined]
             "save_bytes_received_rank0": report.bytes_received,  # type: ignore[attr-defined]
-            "async_host_copy_bytes_rank0": async_report.host_copy_bytes,
+            "async_host_copy_bytes_rank0": async_report.host_copy_bytes,  # type: ignore[attr-defined]
         }, indent=1))  # fmt: skip
     dist.barrier()
     dist.destroy_process_group()

@@ -37,7 +37,7 @@ from ucformat.format.models import CheckpointManifest
 from ucformat.layout.ownership import exchange_rounds
 from ucformat.store.arrays import array_from_manifest
 from ucformat.store.lifecycle import discard_store, start_store
-from ucformat.store.manifest_io import commit_manifest
+from ucformat.store.manifest_io import ROOT_KEY, commit_manifest
 from ucformat.write.execute import DEFAULT_WORKERS, create_arrays, write_units
 from ucformat.write.plan import ConvertPlan, CopyItem, WriteUnit
 
@@ -345,7 +345,7 @@ def write_spread(
         ]
         try:
             write_units(plan, arrays, mine, workers=workers, progress=progress)
-            _flush(plan, store, [u for i, u in enumerate(plan.units) if writers[i] == rank])
+            _flush(plan, store, [u for i, u in enumerate(plan.units) if writers[i] == rank], rank)
             report.units_written += len(mine)
             report.bytes_written += sum(_unit_bytes(plan, unit) for unit in mine)
             if before_commit is not None:
@@ -356,7 +356,7 @@ def write_spread(
 
     if rank == 0:
         try:
-            report.manifest = commit_manifest(store, plan.manifest)
+            report.manifest = commit_manifest(store, plan.manifest, objects_synced=True)
             report.committed = True
         except Exception as exc:
             failure = exc
@@ -365,31 +365,32 @@ def write_spread(
     return report
 
 
-def _flush(plan: ConvertPlan, store: Store, units: Sequence[WriteUnit]) -> None:
-    """fsync the shard files this rank wrote (a local store), all ranks at once.
+def _flush(plan: ConvertPlan, store: Store, units: Sequence[WriteUnit], rank: int) -> None:
+    """Make what this rank wrote durable (a local store), every rank at once, before agreeing.
 
-    The commit's durable step (:func:`~ucformat.store.manifest_io.commit_manifest`) fsyncs the
-    whole store on rank 0; done here first, in parallel on every rank, the flushing is spread
-    over the ranks and rank 0's pass finds the files already clean.
+    Each rank fsyncs the shard objects of ``units`` (those it wrote) and every directory above
+    them; rank 0 also the metadata objects it wrote at the start (the root group's, every
+    group's and array's ``zarr.json``). The commit then fsyncs only the manifest and the root
+    (``commit_manifest(objects_synced=True)``; docs/format.md §6, "Durability").
     """
-    from concurrent.futures import ThreadPoolExecutor
-
     from ucformat.format.spec import shard_object_key
     from ucformat.store.direct.objects import local_file
-    from ucformat.store.durable import SYNC_WORKERS, fsync_path
+    from ucformat.store.durable import sync_written
     from ucformat.write.shard_encode import shard_of
 
-    if not units or local_file(store, "zarr.json") is None:
+    root = local_file(store, ROOT_KEY)
+    if root is None:
         return
-    paths = []
+    keys = []
     for unit in units:
         ref = plan.arrays[unit.array]
-        if ref.shape:
-            path = local_file(store, shard_object_key(ref.path, shard_of(ref, unit)))
-            if path is not None and path.is_file():
-                paths.append(path)
-    with ThreadPoolExecutor(max_workers=SYNC_WORKERS) as pool:
-        list(pool.map(fsync_path, paths))
+        keys.append(shard_object_key(ref.path, shard_of(ref, unit) if ref.shape else ()))
+    if rank == 0:
+        keys.append(ROOT_KEY)
+        for ref in plan.arrays:
+            parts = ref.path.split("/")
+            keys += ["/".join(parts[:depth]) + "/zarr.json" for depth in range(1, len(parts) + 1)]
+    sync_written(root.parent, dict.fromkeys(keys))
 
 
 def _discard(rank: int, store: Store, created: bool) -> None:
