@@ -13,7 +13,11 @@ each timed between barriers, slowest rank reported:
 * ``copy_floor``: one plain ``clone()`` of the rank's fp32 partitions and optimizer states (the
   least a non-blocking save must do before training may go on);
 * ``save_async``: the time ``save_async`` blocks the caller, and the time until the commit
-  while one more training step runs meanwhile (``async_total``).
+  while one more training step runs meanwhile (``async_total``);
+* with ``"s3": "s3://bucket/prefix"`` in ``J`` (the local S3 server), then ``save`` and
+  ``save_async`` (blocked and total, one training step meanwhile) to fresh prefixes under it.
+
+With ``"repeat": N``, each pair runs N times in alternating order; ``times`` are medians.
 """
 
 from __future__ import annotations
@@ -131,6 +135,28 @@ def main() -> int:
                 copied = int(timed(name, copy_partitions))  # type: ignore[call-overload]
             else:
                 async_report = save_async()
+    remote = job.get("s3")  # an s3:// prefix on the local S3 server: save vs save_async there
+    for index in range(repeat if remote else 0):
+
+        def save_s3(index: int = index) -> object:
+            return ucformat.deepspeed.save(engine, f"{remote}/sync-{index}")
+
+        def save_async_s3(index: int = index) -> None:
+            dist.barrier()
+            started = time.perf_counter()
+            handle = ucformat.deepspeed.save_async(engine, f"{remote}/async-{index}")
+            runs.setdefault("s3_save_async_blocked", []).append(
+                _slowest(time.perf_counter() - started)
+            )
+            _step(engine, case, case.steps, rank)
+            handle.result()
+            runs.setdefault("s3_async_total", []).append(_slowest(time.perf_counter() - started))
+
+        for name in ("s3_save", "s3_save_async")[:: -1 if index % 2 else 1]:
+            if name == "s3_save":
+                timed(name, save_s3)
+            else:
+                save_async_s3()
     times = {name: statistics.median(values) for name, values in runs.items()}
     dist.barrier()
     if rank == 0:

@@ -14,7 +14,9 @@ another, on the same machine; the source files are in the page cache (just writt
 
 ``--repeat N``: every pair (``save_checkpoint`` / ``save``, copy floor / ``save_async``) runs N
 times in alternating order on the same engine, each save on an emptied destination; the
-table gives medians and ratios. ``--no-convert`` skips the converters; ``--fsdp`` adds, per
+table gives medians and ratios. ``--s3`` also saves each engine with ``save`` and
+``save_async`` to moto's local S3 server (:mod:`tests.s3server`; it holds the objects in
+memory, so keep the model small). ``--no-convert`` skips the converters; ``--fsdp`` adds, per
 world size, ``ucformat.torch.save`` against ``dcp.save`` of the same FSDP2 state
 (:mod:`tests.bench._fsdp_save_worker`). The load average is recorded before and after each
 launch.
@@ -23,6 +25,7 @@ launch.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -54,14 +57,14 @@ def _torchrun(world: int, *args: str) -> list[str]:
 
 
 def bench_case(
-    case: BenchCase, work: Path, *, repeat: int = 1, convert: bool = True
+    case: BenchCase, work: Path, *, repeat: int = 1, convert: bool = True, s3: str | None = None
 ) -> dict[str, Any]:
     """Run the live-save worker, then (``convert``) the converters, for one case."""
     out = work / case.name
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
     job = {"case": case.__dict__, "dir": str(out), "result": str(out / "result.json"),
-           "repeat": repeat}  # fmt: skip
+           "repeat": repeat, "s3": f"{s3}/{case.name}" if s3 else None}  # fmt: skip
     (out / "job.json").write_text(json.dumps(job))
     load_before = _load()
     stats = measure(
@@ -171,6 +174,25 @@ def pairs_table(results: list[dict[str, Any]], fsdp: list[dict[str, Any]]) -> st
     return "\n".join(lines)
 
 
+def s3_table(results: list[dict[str, Any]]) -> str:
+    """``save`` against ``save_async`` to the local S3 server: medians (min-max)."""
+    lines = [
+        "| case | load avg (1 min) before / after | save (S3) | save_async blocked (S3) "
+        "| blocked / save | async total (S3) |",
+        "|" + "---|" * 6,
+    ]
+    for r in results:
+        t, runs = r["times"], r["runs"]
+        lines.append(
+            f"| {r['case']} | {r['load'][0][0]:.1f} / {r['load'][1][0]:.1f} "
+            f"| {t['s3_save']:.2f} ({_spread(runs['s3_save'])}) "
+            f"| {t['s3_save_async_blocked']:.2f} ({_spread(runs['s3_save_async_blocked'])}) "
+            f"| **{t['s3_save_async_blocked'] / t['s3_save']:.2f}x** "
+            f"| {t['s3_async_total']:.2f} ({_spread(runs['s3_async_total'])}) |"
+        )
+    return "\n".join(lines)
+
+
 def table(results: list[dict[str, Any]]) -> str:
     """Markdown table of the results (seconds, slowest rank)."""
     head = (
@@ -210,21 +232,35 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeat", type=int, default=1)
     parser.add_argument("--no-convert", action="store_true")
     parser.add_argument("--fsdp", action="store_true")
+    parser.add_argument("--s3", action="store_true", help="also save to the local S3 server")
     args = parser.parse_args(argv)
     results, fsdp = [], []
-    for world in args.world_sizes:
-        for stage in args.stages:
-            case = BenchCase(args.size, stage, world_size=world)
-            result = bench_case(case, args.work, repeat=args.repeat, convert=not args.no_convert)
-            print(json.dumps(result), flush=True)
-            results.append(result)
-        if args.fsdp:
-            fsdp.append(bench_fsdp(args.size, world, args.work, repeat=args.repeat))
-            print(json.dumps(fsdp[-1]), flush=True)
+    with contextlib.ExitStack() as stack:
+        s3 = None
+        if args.s3:
+            from tests.s3server import S3Server
+
+            server = stack.enter_context(S3Server())
+            server.create_bucket("ucf-save-bench")
+            os.environ.update(server.env())
+            s3 = "s3://ucf-save-bench"
+        for world in args.world_sizes:
+            for stage in args.stages:
+                case = BenchCase(args.size, stage, world_size=world)
+                result = bench_case(
+                    case, args.work, repeat=args.repeat, convert=not args.no_convert, s3=s3
+                )
+                print(json.dumps(result), flush=True)
+                results.append(result)
+            if args.fsdp:
+                fsdp.append(bench_fsdp(args.size, world, args.work, repeat=args.repeat))
+                print(json.dumps(fsdp[-1]), flush=True)
     (args.work / "results.json").write_text(json.dumps({"ds": results, "fsdp": fsdp}, indent=1))
     if not args.no_convert:
         print(table(results))
     print(pairs_table(results, fsdp))
+    if args.s3:
+        print(s3_table(results))
     return 0
 
 
