@@ -497,13 +497,13 @@ class _BackgroundWrites:
         self._pending: list[tuple[Future[None], list[WriteUnit]]] = []
 
     def submit(self, units: list[WriteUnit], progress: Callable[[int], None] | None = None) -> None:
-        """Write ``units`` after the batches submitted before."""
-        if units:
-            future = self._pool.submit(
-                write_units, self._plan, self._arrays, units, workers=self._workers,
-                progress=progress,
-            )  # fmt: skip
-            self._pending.append((future, units))
+        """Write ``units`` after the batches submitted before (an empty batch too: it is
+        where a rank's writer is first called, as before the rounds ran in the background)."""
+        future = self._pool.submit(
+            write_units, self._plan, self._arrays, units, workers=self._workers,
+            progress=progress,
+        )  # fmt: skip
+        self._pending.append((future, units))
 
     def wait(self, *, keep: int) -> BaseException | None:
         """Wait until at most ``keep`` batches are unfinished; the first batch's failure."""
