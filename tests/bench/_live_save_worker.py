@@ -13,7 +13,11 @@ each timed between barriers, slowest rank reported:
 * ``copy_floor``: one plain ``clone()`` of the rank's fp32 partitions and optimizer states (the
   least a non-blocking save must do before training may go on);
 * ``save_async``: the time ``save_async`` blocks the caller, and the time until the commit
-  while one more training step runs meanwhile (``async_total``).
+  while one more training step runs meanwhile (``async_total``);
+* with ``"s3": "s3://bucket/prefix"`` in ``J`` (the local S3 server), then ``save`` and
+  ``save_async`` (blocked and total, one training step meanwhile) to fresh prefixes under it.
+
+With ``"repeat": N``, each pair runs N times in alternating order; ``times`` are medians.
 """
 
 from __future__ import annotations
@@ -21,9 +25,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
+import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # repo root, for `tests.*`
 
@@ -65,28 +72,31 @@ def main() -> int:
     for step in range(case.steps):
         _step(engine, case, step, rank)
     out = Path(job["dir"])
-    times: dict[str, float] = {}
+    repeat = int(job.get("repeat", 1))
+    runs: dict[str, list[float]] = {}
 
-    def timed(name: str, action: object) -> object:
+    def timed(name: str, action: object, clear: Path | None = None) -> object:
+        if clear is not None and rank == 0:  # every save starts on an empty destination
+            shutil.rmtree(clear, ignore_errors=True)
         dist.barrier()
         started = time.perf_counter()
         result = action()  # type: ignore[operator]
-        times[name] = _slowest(time.perf_counter() - started)
+        runs.setdefault(name, []).append(_slowest(time.perf_counter() - started))
         return result
 
-    timed("save_checkpoint", lambda: engine.save_checkpoint(
-        str(out / "native"), tag=TAG, client_state={"universal_checkpoint_info": {}}))  # fmt: skip
-    live = out / "live.ucf"
-    profile_dir = os.environ.get("UCFORMAT_BENCH_PROFILE")  # cProfile the save, per rank
-    if profile_dir:
+    native, live = out / "native", out / "live.ucf"
+    profile_dir = os.environ.get("UCFORMAT_BENCH_PROFILE")  # cProfile the first save, per rank
+
+    def save() -> object:
+        if not (profile_dir and "save" not in runs):
+            return ucformat.deepspeed.save(engine, live, overwrite=True)
         import cProfile
 
         profiler = cProfile.Profile()
-        profiler.enable()
-    report = timed("save", lambda: ucformat.deepspeed.save(engine, live, overwrite=True))
-    if profile_dir:
-        profiler.disable()
+        report = profiler.runcall(ucformat.deepspeed.save, engine, live, overwrite=True)
         profiler.dump_stats(str(Path(profile_dir) / f"save-rank{rank}.prof"))
+        return report
+
     view = describe_engine(engine)
 
     def copy_partitions() -> int:
@@ -96,21 +106,65 @@ def main() -> int:
                        if isinstance(v, torch.Tensor) and v.dim() == 1]  # fmt: skip
         return sum(c.numel() * c.element_size() for c in copies)
 
-    copied = timed("copy_floor", copy_partitions)
-    dist.barrier()
-    started = time.perf_counter()
-    handle = ucformat.deepspeed.save_async(engine, out / "async.ucf", overwrite=True)
-    times["save_async_blocked"] = _slowest(time.perf_counter() - started)
-    _step(engine, case, case.steps, rank)  # training goes on while the store is written
-    async_report = handle.result()
-    times["async_total"] = _slowest(time.perf_counter() - started)
+    def save_async() -> object:
+        if rank == 0:
+            shutil.rmtree(out / "async.ucf", ignore_errors=True)
+        dist.barrier()
+        started = time.perf_counter()
+        handle = ucformat.deepspeed.save_async(engine, out / "async.ucf", overwrite=True)
+        runs.setdefault("save_async_blocked", []).append(_slowest(time.perf_counter() - started))
+        _step(engine, case, case.steps, rank)  # training goes on while the store is written
+        result = handle.result()
+        runs.setdefault("async_total", []).append(_slowest(time.perf_counter() - started))
+        return result
+
+    copied, report, async_report = 0, None, None
+    for index in range(repeat):  # each pair in alternating order
+        order = -1 if index % 2 else 1
+        pair: list[tuple[str, Any, Path]] = [
+            ("save_checkpoint", lambda: engine.save_checkpoint(
+                str(native), tag=TAG, client_state={"universal_checkpoint_info": {}}), native),
+            ("save", save, live),
+        ]  # fmt: skip
+        for name, action, clear in pair[::order]:
+            result = timed(name, action, clear)
+            if name == "save":
+                report = result
+        for name in ("copy_floor", "save_async")[::order]:
+            if name == "copy_floor":
+                copied = int(timed(name, copy_partitions))  # type: ignore[call-overload]
+            else:
+                async_report = save_async()
+    remote = job.get("s3")  # an s3:// prefix on the local S3 server: save vs save_async there
+    for index in range(repeat if remote else 0):
+
+        def save_s3(index: int = index) -> object:
+            return ucformat.deepspeed.save(engine, f"{remote}/sync-{index}")
+
+        def save_async_s3(index: int = index) -> None:
+            dist.barrier()
+            started = time.perf_counter()
+            handle = ucformat.deepspeed.save_async(engine, f"{remote}/async-{index}")
+            runs.setdefault("s3_save_async_blocked", []).append(
+                _slowest(time.perf_counter() - started)
+            )
+            _step(engine, case, case.steps, rank)
+            handle.result()
+            runs.setdefault("s3_async_total", []).append(_slowest(time.perf_counter() - started))
+
+        for name in ("s3_save", "s3_save_async")[:: -1 if index % 2 else 1]:
+            if name == "s3_save":
+                timed(name, save_s3)
+            else:
+                save_async_s3()
+    times = {name: statistics.median(values) for name, values in runs.items()}
     dist.barrier()
     if rank == 0:
         Path(job["result"]).write_text(json.dumps({
-            "case": case.name, "times": times, "partition_bytes_rank0": copied,
+            "case": case.name, "times": times, "runs": runs, "partition_bytes_rank0": copied,
             "save_bytes_written_rank0": report.bytes_written,  # type: ignore[attr-defined]
             "save_bytes_received_rank0": report.bytes_received,  # type: ignore[attr-defined]
-            "async_host_copy_bytes_rank0": async_report.host_copy_bytes,
+            "async_host_copy_bytes_rank0": async_report.host_copy_bytes,  # type: ignore[attr-defined]
         }, indent=1))  # fmt: skip
     dist.barrier()
     dist.destroy_process_group()

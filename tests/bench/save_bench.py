@@ -3,6 +3,7 @@
 ::
 
     python -m tests.bench.save_bench --size 30m --stages 1 3 --world-sizes 2 4 --work /tmp/sb
+    python -m tests.bench.save_bench --size 100m --repeat 3 --no-convert --fsdp --work /tmp/sb
 
 Per (stage, world size): one torchrun launch of :mod:`tests.bench._live_save_worker` times
 ``engine.save_checkpoint``, ``ucformat.deepspeed.save``, a plain copy of the rank's partitions
@@ -10,11 +11,21 @@ and ``save_async`` on the same engine. Then, on the native checkpoint it wrote: 
 ``ds_to_universal`` (defaults), ``ucformat convert`` in one process, and ``torchrun
 --nproc_per_node 2 -m ucformat_cli convert``. Every tool runs in the same session, one after
 another, on the same machine; the source files are in the page cache (just written).
+
+``--repeat N``: every pair (``save_checkpoint`` / ``save``, copy floor / ``save_async``) runs N
+times in alternating order on the same engine, each save on an emptied destination; the
+table gives medians and ratios. ``--s3`` also saves each engine with ``save`` and
+``save_async`` to moto's local S3 server (:mod:`tests.s3server`; it holds the objects in
+memory, so keep the model small). ``--no-convert`` skips the converters; ``--fsdp`` adds, per
+world size, ``ucformat.torch.save`` against ``dcp.save`` of the same FSDP2 state
+(:mod:`tests.bench._fsdp_save_worker`). The load average is recorded before and after each
+launch.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -28,6 +39,11 @@ from tests.launch import REPO_ROOT, torchrun_command
 
 WORKER = Path(__file__).resolve().parent / "_live_save_worker.py"
 CONVERT_WORKER = Path(__file__).resolve().parent / "_convert_worker.py"
+FSDP_WORKER = Path(__file__).resolve().parent / "_fsdp_save_worker.py"
+
+
+def _load() -> list[float]:
+    return [round(x, 2) for x in os.getloadavg()]
 
 
 def _env() -> dict[str, str]:
@@ -40,13 +56,17 @@ def _torchrun(world: int, *args: str) -> list[str]:
     return torchrun_command(world, args)
 
 
-def bench_case(case: BenchCase, work: Path) -> dict[str, Any]:
-    """Run the live-save worker, then the converters, for one case."""
+def bench_case(
+    case: BenchCase, work: Path, *, repeat: int = 1, convert: bool = True, s3: str | None = None
+) -> dict[str, Any]:
+    """Run the live-save worker, then (``convert``) the converters, for one case."""
     out = work / case.name
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
-    job = {"case": case.__dict__, "dir": str(out), "result": str(out / "result.json")}
+    job = {"case": case.__dict__, "dir": str(out), "result": str(out / "result.json"),
+           "repeat": repeat, "s3": f"{s3}/{case.name}" if s3 else None}  # fmt: skip
     (out / "job.json").write_text(json.dumps(job))
+    load_before = _load()
     stats = measure(
         _torchrun(case.world_size, str(WORKER), "--jobs", str(out / "job.json")),
         env=_env(), cwd=REPO_ROOT, log=out / "worker.log", timeout_s=3600,
@@ -54,7 +74,16 @@ def bench_case(case: BenchCase, work: Path) -> dict[str, Any]:
     if stats.returncode != 0:
         raise RuntimeError(f"{case.name}: worker failed, see {out / 'worker.log'}")
     result: dict[str, Any] = json.loads((out / "result.json").read_text())
+    result["load"] = [load_before, _load()]
     native = out / "native" / TAG
+    result["native_bytes"] = sum(p.stat().st_size for p in native.rglob("*") if p.is_file())
+    result["store_bytes"] = sum(
+        p.stat().st_size for p in (out / "live.ucf").rglob("*") if p.is_file()
+    )
+    if not convert:
+        for folder in ("native", "live.ucf", "async.ucf"):
+            shutil.rmtree(out / folder, ignore_errors=True)
+        return result
     tools = {
         "ds_to_universal": [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal",
                             "--input_folder", str(native),
@@ -77,14 +106,91 @@ def bench_case(case: BenchCase, work: Path) -> dict[str, Any]:
         run = measure(cmd, env=_env(), cwd=REPO_ROOT, log=out / f"{name}.log", timeout_s=3600)
         result["times"][name] = run.wall_s if run.returncode == 0 else None
         result.setdefault("peak_rss", {})[name] = run.peak_rss
-    result["native_bytes"] = sum(p.stat().st_size for p in native.rglob("*") if p.is_file())
-    result["store_bytes"] = sum(
-        p.stat().st_size for p in (out / "live.ucf").rglob("*") if p.is_file()
-    )
     for folder in ("native", "universal", "c1.ucf", "c2.ucf", "i1.ucf", "i2.ucf", "live.ucf",
                    "async.ucf"):  # fmt: skip
         shutil.rmtree(out / folder, ignore_errors=True)  # keep the disk free between cases
     return result
+
+
+def bench_fsdp(size: str, world: int, work: Path, *, repeat: int) -> dict[str, Any]:
+    """``ucformat.torch.save`` vs ``dcp.save`` of one FSDP2 state at ``world`` ranks."""
+    out = work / f"fsdp-{size}-ws{world}"
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    job = {"size": size, "dir": str(out), "result": str(out / "result.json"), "repeat": repeat}
+    (out / "job.json").write_text(json.dumps(job))
+    load_before = _load()
+    stats = measure(
+        _torchrun(world, str(FSDP_WORKER), "--jobs", str(out / "job.json")),
+        env=_env(), cwd=REPO_ROOT, log=out / "worker.log", timeout_s=3600,
+    )  # fmt: skip
+    if stats.returncode != 0:
+        raise RuntimeError(f"fsdp {size} ws{world}: worker failed, see {out / 'worker.log'}")
+    result: dict[str, Any] = json.loads((out / "result.json").read_text())
+    result["load"] = [load_before, _load()]
+    return result
+
+
+def _spread(values: list[float]) -> str:
+    return f"{min(values):.2f}-{max(values):.2f}"
+
+
+def pairs_table(results: list[dict[str, Any]], fsdp: list[dict[str, Any]]) -> str:
+    """The side-by-side table: medians of the interleaved pairs, ratios, load averages."""
+    lines = [
+        "| case | load avg (1 min) before / after | save_checkpoint | save "
+        "| save / save_checkpoint | copy floor | save_async blocked | blocked / copy floor "
+        "| async total |",
+        "|" + "---|" * 9,
+    ]
+    for r in results:
+        t, runs = r["times"], r["runs"]
+        lines.append(
+            f"| {r['case']} | {r['load'][0][0]:.1f} / {r['load'][1][0]:.1f} "
+            f"| {t['save_checkpoint']:.2f} ({_spread(runs['save_checkpoint'])}) "
+            f"| {t['save']:.2f} ({_spread(runs['save'])}) "
+            f"| **{t['save'] / t['save_checkpoint']:.2f}x** "
+            f"| {t['copy_floor']:.2f} ({_spread(runs['copy_floor'])}) "
+            f"| {t['save_async_blocked']:.2f} ({_spread(runs['save_async_blocked'])}) "
+            f"| **{t['save_async_blocked'] / t['copy_floor']:.2f}x** "
+            f"| {t['async_total']:.2f} |"
+        )
+    if fsdp:
+        lines += [
+            "",
+            "| case | params | load avg (1 min) before / after | dcp.save | ucformat.torch.save "
+            "| ucformat / dcp |",
+            "|" + "---|" * 6,
+        ]
+        for r in fsdp:
+            t, runs = r["times"], r["runs"]
+            ucf, dcp = t["ucformat.torch.save"], t["dcp.save"]
+            lines.append(
+                f"| {r['case']} | {r['params'] / 1e6:.1f}M "
+                f"| {r['load'][0][0]:.1f} / {r['load'][1][0]:.1f} "
+                f"| {dcp:.2f} ({_spread(runs['dcp.save'])}) "
+                f"| {ucf:.2f} ({_spread(runs['ucformat.torch.save'])}) | **{ucf / dcp:.2f}x** |"
+            )
+    return "\n".join(lines)
+
+
+def s3_table(results: list[dict[str, Any]]) -> str:
+    """``save`` against ``save_async`` to the local S3 server: medians (min-max)."""
+    lines = [
+        "| case | load avg (1 min) before / after | save (S3) | save_async blocked (S3) "
+        "| blocked / save | async total (S3) |",
+        "|" + "---|" * 6,
+    ]
+    for r in results:
+        t, runs = r["times"], r["runs"]
+        lines.append(
+            f"| {r['case']} | {r['load'][0][0]:.1f} / {r['load'][1][0]:.1f} "
+            f"| {t['s3_save']:.2f} ({_spread(runs['s3_save'])}) "
+            f"| {t['s3_save_async_blocked']:.2f} ({_spread(runs['s3_save_async_blocked'])}) "
+            f"| **{t['s3_save_async_blocked'] / t['s3_save']:.2f}x** "
+            f"| {t['s3_async_total']:.2f} ({_spread(runs['s3_async_total'])}) |"
+        )
+    return "\n".join(lines)
 
 
 def table(results: list[dict[str, Any]]) -> str:
@@ -123,15 +229,38 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stages", type=int, nargs="+", default=[1, 3])
     parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--work", type=Path, required=True)
+    parser.add_argument("--repeat", type=int, default=1)
+    parser.add_argument("--no-convert", action="store_true")
+    parser.add_argument("--fsdp", action="store_true")
+    parser.add_argument("--s3", action="store_true", help="also save to the local S3 server")
     args = parser.parse_args(argv)
-    results = []
-    for world in args.world_sizes:
-        for stage in args.stages:
-            result = bench_case(BenchCase(args.size, stage, world_size=world), args.work)
-            print(json.dumps(result), flush=True)
-            results.append(result)
-    (args.work / "results.json").write_text(json.dumps(results, indent=1))
-    print(table(results))
+    results, fsdp = [], []
+    with contextlib.ExitStack() as stack:
+        s3 = None
+        if args.s3:
+            from tests.s3server import S3Server
+
+            server = stack.enter_context(S3Server())
+            server.create_bucket("ucf-save-bench")
+            os.environ.update(server.env())
+            s3 = "s3://ucf-save-bench"
+        for world in args.world_sizes:
+            for stage in args.stages:
+                case = BenchCase(args.size, stage, world_size=world)
+                result = bench_case(
+                    case, args.work, repeat=args.repeat, convert=not args.no_convert, s3=s3
+                )
+                print(json.dumps(result), flush=True)
+                results.append(result)
+            if args.fsdp:
+                fsdp.append(bench_fsdp(args.size, world, args.work, repeat=args.repeat))
+                print(json.dumps(fsdp[-1]), flush=True)
+    (args.work / "results.json").write_text(json.dumps({"ds": results, "fsdp": fsdp}, indent=1))
+    if not args.no_convert:
+        print(table(results))
+    print(pairs_table(results, fsdp))
+    if args.s3:
+        print(s3_table(results))
     return 0
 
 

@@ -84,3 +84,67 @@ def test_fsync_off(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     ucformat.convert(FIXTURE, tmp_path / "s.ucf", fsync=False)
     assert not [event for event in events if event[0] == "fsync"]
     assert ucformat.open(tmp_path / "s.ucf").manifest.digest
+
+
+def test_spread_write_syncs_each_object_once_before_agreeing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A distributed write's writers flush what they wrote; the commit flushes only the manifest.
+
+    In one process (every unit's writer is rank 0, which also wrote the metadata): every object
+    and directory is fsynced before the manifest's rename, each object exactly once (the commit
+    does not walk the store again), and after it only the root and the destination's parent.
+    """
+    from ucformat.collective import Group
+    from ucformat.sources.deepspeed.checkpoint import read_deepspeed_checkpoint
+    from ucformat.store.keys import open_store
+    from ucformat.write.convert import convert_options
+    from ucformat.write.plan import plan_convert
+    from ucformat.write.spread import write_spread
+
+    final = (tmp_path / "s.ucf").resolve()
+    with read_deepspeed_checkpoint(FIXTURE) as source:
+        plan = plan_convert(source, convert_options(64, 256))
+        events = observe(monkeypatch)
+        report = write_spread(
+            plan, open_store(final, read_only=False), writers=[0] * len(plan.units),
+            group=Group(None, 0, 1), where=str(final),
+        )  # fmt: skip
+    assert report.committed
+    store = final.parent / ".s.ucf.ucformat-staging"
+    commit = events.index(("rename", str(store / "ucformat.json")))
+    swap = events.index(("rename", str(final)))
+    before = [path for kind, path in events[:commit] if kind == "fsync" and ".partial" not in path]
+    files = {
+        str(store / p.relative_to(final))
+        for p in final.rglob("*")
+        if p.is_file() and p.name != "ucformat.json"
+    }
+    folders = {str(store / p.relative_to(final)) for p in final.rglob("*") if p.is_dir()}
+    assert len(files) > 50
+    assert files | folders | {str(store)} == set(before), "every object and directory, only them"
+    assert len(before) == len(set(before)), "each once"
+    after = [path for kind, path in events[commit + 1 : swap] if kind == "fsync"]
+    assert after == [str(store)], "the manifest's rename, by syncing the root"
+    assert [path for kind, path in events[swap + 1 :] if kind == "fsync"] == [str(final.parent)]
+    assert ucformat.verify(final).ok
+
+
+def test_writers_together_sync_every_entry(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two writers' :func:`sync_written` of disjoint objects cover every file and directory."""
+    from ucformat.store.durable import sync_written
+
+    keys = ["zarr.json", "a/zarr.json", "a/b/zarr.json", "a/b/c/0/0", "a/b/c/0/1", "x/c", "y/c/3"]
+    for key in keys:
+        (tmp_path / key).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / key).write_bytes(b"1")
+    events = observe(monkeypatch)
+    first = sync_written(tmp_path, [*keys[:4], "a/b/c/9/9"])  # an absent key is skipped
+    second = sync_written(tmp_path, keys[4:])
+    synced = [path for kind, path in events if kind == "fsync"]
+    everything = {str(p) for p in tmp_path.rglob("*")} | {str(tmp_path)}
+    assert set(synced) == everything
+    assert (first.files, second.files) == (4, 3)
+    assert first.directories == 5  # root, a, a/b, a/b/c, a/b/c/0
+    files_first = synced[: first.files]
+    assert set(files_first) == {str(tmp_path / k) for k in keys[:4]}, "files before directories"

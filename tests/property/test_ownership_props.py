@@ -73,6 +73,25 @@ def test_ties_spread_over_ranks(world: int, units: int) -> None:
 
 
 @FAST
+@given(st.integers(1, 8), st.lists(st.integers(1, 1000), max_size=60))
+def test_tied_units_spread_by_size(world: int, sizes: list[int]) -> None:
+    """Evenly split units of any sizes: every rank writes within one unit of the others."""
+    even = [dict.fromkeys(range(world), size) for size in sizes]
+    writers = writers_by_holdings(even, world)
+    given = [
+        sum(s * world for s, w in zip(sizes, writers, strict=True) if w == r) for r in range(world)
+    ]
+    assert max(given) - min(given) <= world * max(sizes, default=0)
+
+
+def test_ties_do_not_pile_big_units_on_one_rank() -> None:
+    """Three big units among small ones, tied at two ranks: the big ones do not all go to one."""
+    sizes = [100, 1, 100, 1, 100, 1]
+    writers = writers_by_holdings([{0: s, 1: s} for s in sizes], 2)
+    assert {writers[0], writers[2], writers[4]} == {0, 1}
+
+
+@FAST
 @given(st.lists(st.integers(0, 1000), max_size=60), st.integers(1, 8))
 def test_balance_is_contiguous_and_even(sizes: list[int], world: int) -> None:
     writers = writers_by_balance(sizes, world)

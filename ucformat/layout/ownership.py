@@ -5,8 +5,9 @@ A :class:`~ucformat.write.plan.WriteUnit` (one shard) is written by exactly one 
 * :func:`writers_by_holdings` (live saves): each rank holds some elements of a unit (its flat
   partition covers them); the rank holding the most writes it, so the bytes that cross the
   network are only the few the writer lacks: at a ZeRO-1/2 partition boundary, the smaller side
-  of one shard. Ties (a small ZeRO-3 parameter split evenly over the ranks) rotate with the
-  unit's index, so such units spread over every rank instead of all landing on rank 0.
+  of one shard. Ties (a small ZeRO-3 parameter split evenly over the ranks) go to the tied rank
+  given the fewest elements so far, so such units spread over every rank by size (a rule by
+  the unit's index alone left rank 0 with two of an embedding's three 16 MiB shards).
 * :func:`writers_by_balance` (distributed convert): every process can read every source byte,
   so units are cut into ``world_size`` consecutive runs of about equal bytes.
 
@@ -32,21 +33,25 @@ def writers_by_holdings(holdings: Sequence[Mapping[int, int]], world_size: int) 
         world_size: number of ranks; every rank in ``holdings`` must be below it.
 
     Returns:
-        One rank per unit. Among the ranks holding the most elements, unit ``i`` goes to the
-        ``i % len(tied)``-th one (in rank order).
+        One rank per unit. Among the ranks holding the most elements, unit ``i`` goes to the one
+        given the fewest elements (over units ``0..i-1``, the sizes of ``holdings``) so far;
+        the lowest such rank if several are.
 
     >>> writers_by_holdings([{0: 10, 1: 3}, {0: 5, 1: 5}, {0: 5, 1: 5}, {}], 2)
-    [0, 1, 0, 1]
+    [0, 1, 1, 1]
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     writers: list[int] = []
+    given = [0] * world_size
     for index, held in enumerate(holdings):
         if any(not 0 <= rank < world_size for rank in held):
             raise ValueError(f"unit {index}: rank outside 0..{world_size - 1} in {dict(held)}")
         best = max(held.values(), default=0)
-        tied = sorted(rank for rank, count in held.items() if count == best and count > 0)
-        writers.append(tied[index % len(tied)] if tied else index % world_size)
+        tied = [rank for rank, count in held.items() if count == best and count > 0]
+        writer = min(tied, key=lambda rank: (given[rank], rank)) if tied else index % world_size
+        given[writer] += sum(held.values())
+        writers.append(writer)
     return writers
 
 

@@ -109,7 +109,11 @@ def _major(version: object) -> int | None:
 
 
 def commit_manifest(
-    store: Store, manifest: CheckpointManifest, *, durable: bool = True
+    store: Store,
+    manifest: CheckpointManifest,
+    *,
+    durable: bool = True,
+    objects_synced: bool = False,
 ) -> CheckpointManifest:
     """Stamp ``manifest`` with its digest and write it as the store's last object.
 
@@ -117,6 +121,9 @@ def commit_manifest(
     already in the store is fsynced first, then the manifest is written to a temporary file,
     fsynced, renamed into place and the root directory fsynced: once this returns, a power loss
     cannot leave a committed manifest whose shards were lost. Other stores get one ``set``.
+    ``objects_synced``: the writers have already made every object and directory of the store
+    durable (:func:`ucformat.store.durable.sync_written`, a distributed write, §6), so only
+    the manifest's own steps remain.
     A staged local store is then swapped onto its destination (the previous store, if any, is
     removed), and the destination's writer lock is released (docs/format.md §6).
     """
@@ -133,7 +140,8 @@ def commit_manifest(
             write_key(store, MANIFEST_KEY, payload)
         else:
             with store_writes(store, f"writing {MANIFEST_KEY}"):
-                sync_tree(path.parent)
+                if not objects_synced:
+                    sync_tree(path.parent)
                 write_file_durably(path, payload)
         if isinstance(store, StagedLocalStore):  # the commit point of a local store: the swap
             with store_writes(store, "moving the staged store into place"):

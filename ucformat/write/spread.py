@@ -9,11 +9,13 @@ naming it on the others: a live save). Each unit has exactly one writer, chosen 
 
 1. the ranks compare their plans' fingerprints;
 2. rank 0 empties the destination and writes the root group and every array's ``zarr.json``;
-3. units whose writer lacks some of their bytes are written in rounds of at most
-   ``exchange_budget`` bytes: one all-to-all per round moves exactly the missing runs from the
-   ranks that hold them to the writer, which then writes the shard;
-4. every rank writes its other units with the converter's own writer
-   (:func:`ucformat.write.execute.write_units`, thread pool, streamed shard encoder);
+3. every rank writes the units it holds entirely with the converter's own writer
+   (:func:`ucformat.write.execute.write_units`, thread pool, streamed shard encoder) on a
+   background thread, while units whose writer lacks some of their bytes go in rounds of at
+   most half of ``exchange_budget`` bytes: one all-to-all per round moves exactly the missing
+   runs from the ranks that hold them to the writer, which writes those shards in the
+   background too while the next round is exchanged (at most one round waits to be written);
+4. every rank fsyncs what it wrote (a local store) and agrees;
 5. rank 0 commits the manifest (:func:`ucformat.store.manifest_io.commit_manifest`).
 
 A failure anywhere makes every rank raise the same
@@ -37,11 +39,13 @@ from ucformat.format.models import CheckpointManifest
 from ucformat.layout.ownership import exchange_rounds
 from ucformat.store.arrays import array_from_manifest
 from ucformat.store.lifecycle import discard_store, start_store
-from ucformat.store.manifest_io import commit_manifest
+from ucformat.store.manifest_io import ROOT_KEY, commit_manifest
 from ucformat.write.execute import DEFAULT_WORKERS, create_arrays, write_units
 from ucformat.write.plan import ConvertPlan, CopyItem, WriteUnit
 
 if TYPE_CHECKING:
+    from concurrent.futures import Future
+
     import torch
 
     from ucformat.store.keys import Store
@@ -56,8 +60,9 @@ __all__ = [
     "write_spread",
 ]
 
-#: Bytes one exchange round moves at most (all ranks together): what a rank may hold in
-#: received and to-be-sent bytes at a time, beyond its own tensors.
+#: What a rank may hold in received and to-be-sent bytes at a time, beyond its own tensors:
+#: rounds move at most half of it (all ranks together), one round being exchanged while the
+#: previous one is written.
 DEFAULT_EXCHANGE_BUDGET = 64 * 1024 * 1024
 
 
@@ -332,22 +337,25 @@ def write_spread(
         failure, arrays, runs = exc, [], [[] for _ in plan.units]
     exchanged = [index for index, unit_runs in enumerate(runs) if unit_runs]
     needs = [sum(run.nbytes for run in runs[index]) for index in exchanged]
-    for round_ in exchange_rounds(needs, exchange_budget):
-        units = [exchanged[i] for i in round_]
-        failure = _exchange_round(
-            plan, arrays, units, runs, writers, group, report, failure, workers
-        )
+    mine = [u for i, u in enumerate(plan.units) if writers[i] == rank and not runs[i]]
+    writes = _BackgroundWrites(plan, arrays, workers, report)
+    try:
+        if failure is None:  # this rank's own units, written while the rounds exchange
+            writes.submit(mine, progress)
+        # Half the budget per round: one round is exchanged while the previous one is written.
+        for round_ in exchange_rounds(needs, max(1, exchange_budget // 2)):
+            failure = _first(failure, writes.wait(keep=1))
+            failure, rebuilt = _exchange_round(
+                plan, [exchanged[i] for i in round_], runs, writers, group, report, failure
+            )
+            if failure is None and rebuilt:
+                writes.submit(rebuilt)
+        failure = _first(failure, writes.wait(keep=0))
+    finally:
+        writes.close()
     if failure is None:
-        mine = [
-            unit
-            for index, unit in enumerate(plan.units)
-            if writers[index] == rank and not runs[index]
-        ]
         try:
-            write_units(plan, arrays, mine, workers=workers, progress=progress)
-            _flush(plan, store, [u for i, u in enumerate(plan.units) if writers[i] == rank])
-            report.units_written += len(mine)
-            report.bytes_written += sum(_unit_bytes(plan, unit) for unit in mine)
+            _flush(plan, store, [u for i, u in enumerate(plan.units) if writers[i] == rank], rank)
             if before_commit is not None:
                 before_commit()
         except Exception as exc:
@@ -356,7 +364,7 @@ def write_spread(
 
     if rank == 0:
         try:
-            report.manifest = commit_manifest(store, plan.manifest)
+            report.manifest = commit_manifest(store, plan.manifest, objects_synced=True)
             report.committed = True
         except Exception as exc:
             failure = exc
@@ -365,31 +373,32 @@ def write_spread(
     return report
 
 
-def _flush(plan: ConvertPlan, store: Store, units: Sequence[WriteUnit]) -> None:
-    """fsync the shard files this rank wrote (a local store), all ranks at once.
+def _flush(plan: ConvertPlan, store: Store, units: Sequence[WriteUnit], rank: int) -> None:
+    """Make what this rank wrote durable (a local store), every rank at once, before agreeing.
 
-    The commit's durable step (:func:`~ucformat.store.manifest_io.commit_manifest`) fsyncs the
-    whole store on rank 0; done here first, in parallel on every rank, the flushing is spread
-    over the ranks and rank 0's pass finds the files already clean.
+    Each rank fsyncs the shard objects of ``units`` (those it wrote) and every directory above
+    them; rank 0 also the metadata objects it wrote at the start (the root group's, every
+    group's and array's ``zarr.json``). The commit then fsyncs only the manifest and the root
+    (``commit_manifest(objects_synced=True)``; docs/format.md §6, "Durability").
     """
-    from concurrent.futures import ThreadPoolExecutor
-
     from ucformat.format.spec import shard_object_key
     from ucformat.store.direct.objects import local_file
-    from ucformat.store.durable import SYNC_WORKERS, fsync_path
+    from ucformat.store.durable import sync_written
     from ucformat.write.shard_encode import shard_of
 
-    if not units or local_file(store, "zarr.json") is None:
+    root = local_file(store, ROOT_KEY)
+    if root is None:
         return
-    paths = []
+    keys = []
     for unit in units:
         ref = plan.arrays[unit.array]
-        if ref.shape:
-            path = local_file(store, shard_object_key(ref.path, shard_of(ref, unit)))
-            if path is not None and path.is_file():
-                paths.append(path)
-    with ThreadPoolExecutor(max_workers=SYNC_WORKERS) as pool:
-        list(pool.map(fsync_path, paths))
+        keys.append(shard_object_key(ref.path, shard_of(ref, unit) if ref.shape else ()))
+    if rank == 0:
+        keys.append(ROOT_KEY)
+        for ref in plan.arrays:
+            parts = ref.path.split("/")
+            keys += ["/".join(parts[:depth]) + "/zarr.json" for depth in range(1, len(parts) + 1)]
+    sync_written(root.parent, dict.fromkeys(keys))
 
 
 def _discard(rank: int, store: Store, created: bool) -> None:
@@ -403,19 +412,18 @@ def _unit_bytes(plan: ConvertPlan, unit: WriteUnit) -> int:
 
 def _exchange_round(
     plan: ConvertPlan,
-    arrays: list[Any],
     units: list[int],
     runs: list[list[_Remote]],
     writers: Sequence[int],
     group: Group,
     report: SpreadReport,
     failure: BaseException | None,
-    workers: int,
-) -> BaseException | None:
-    """Move the missing runs of ``units`` to their writers, then write the units this rank owns.
+) -> tuple[BaseException | None, list[WriteUnit]]:
+    """Move the missing runs of ``units`` to their writers; the units this rank now writes.
 
     Every rank takes part in the exchange even after a failure (sending zeros where its own
     bytes cannot be read), so that no rank waits forever; a failed rank writes nothing more.
+    The returned units read their received runs from this round's receive buffer.
     """
     import torch
 
@@ -447,7 +455,7 @@ def _exchange_round(
     report.bytes_sent += sum(size for d, size in enumerate(sizes) if d != rank)
     report.bytes_received += sum(incoming)
     if failure is not None:
-        return failure
+        return failure, []
     cursor = [0] * world
     rebuilt: list[WriteUnit] = []
     try:
@@ -465,9 +473,52 @@ def _exchange_round(
                     copy, fragment=replace(copy.fragment, tensor=held), tensor_start=0
                 )
             rebuilt.append(replace(unit, copies=tuple(copies)))
-        write_units(plan, arrays, rebuilt, workers=workers)
-        report.units_written += len(rebuilt)
-        report.bytes_written += sum(_unit_bytes(plan, unit) for unit in rebuilt)
     except Exception as exc:
-        return exc
-    return None
+        return exc, []
+    return None, rebuilt
+
+
+def _first(failure: BaseException | None, later: BaseException | None) -> BaseException | None:
+    return failure if failure is not None else later
+
+
+class _BackgroundWrites:
+    """Batches of units written in order on one background thread (each batch with the
+    converter's writer and its thread pool), so that the main thread exchanges the next round
+    meanwhile; :meth:`wait` bounds how many batches, hence received buffers, are held."""
+
+    def __init__(
+        self, plan: ConvertPlan, arrays: list[Any], workers: int, report: SpreadReport
+    ) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        self._plan, self._arrays, self._workers, self._report = plan, arrays, workers, report
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ucformat-spread")
+        self._pending: list[tuple[Future[None], list[WriteUnit]]] = []
+
+    def submit(self, units: list[WriteUnit], progress: Callable[[int], None] | None = None) -> None:
+        """Write ``units`` after the batches submitted before (an empty batch too: it is
+        where a rank's writer is first called, as before the rounds ran in the background)."""
+        future = self._pool.submit(
+            write_units, self._plan, self._arrays, units, workers=self._workers,
+            progress=progress,
+        )  # fmt: skip
+        self._pending.append((future, units))
+
+    def wait(self, *, keep: int) -> BaseException | None:
+        """Wait until at most ``keep`` batches are unfinished; the first batch's failure."""
+        failure: BaseException | None = None
+        while len(self._pending) > keep:
+            future, units = self._pending.pop(0)
+            try:
+                future.result()
+            except Exception as exc:
+                failure = _first(failure, exc)
+                continue
+            self._report.units_written += len(units)
+            self._report.bytes_written += sum(_unit_bytes(self._plan, unit) for unit in units)
+        return failure
+
+    def close(self) -> None:
+        """Stop: batches not started are dropped, a running one is waited for."""
+        self._pool.shutdown(wait=True, cancel_futures=True)
