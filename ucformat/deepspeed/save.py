@@ -158,7 +158,8 @@ def save(
         shard_bytes: shard target; default as ``ucformat convert`` (16 MiB).
         compressor: ``"none"`` or ``"zstd"``.
         workers: threads writing this rank's shards.
-        exchange_budget: bytes one exchange round of straddling shards moves at most.
+        exchange_budget: bytes of straddling shards a rank holds at a time during the exchange
+            (rounds move half of it, so one round is written while the next is exchanged).
 
     Returns:
         This rank's :class:`SaveReport`.

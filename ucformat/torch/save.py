@@ -340,7 +340,8 @@ def save(
         chunk_bytes: inner chunk target (read granularity); default as ``ucformat convert``.
         shard_bytes: shard target (storage object size); default as ``ucformat convert``.
         workers: threads writing shards concurrently on each rank.
-        exchange_budget: bytes one exchange round of straddling shards moves at most.
+        exchange_budget: bytes of straddling shards a rank holds at a time during the exchange
+            (rounds move half of it, so one round is written while the next is exchanged).
 
     Returns:
         The committed manifest.
