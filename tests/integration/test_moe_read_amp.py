@@ -1,10 +1,11 @@
 """An MoE load reads what each rank needs, within 1.2x, on expert matrices of 1 MiB.
 
 The native-MoE model of tests/fixtures/moe_cases.py widened (``UCFORMAT_MOE_WIDE=1``: hidden 256,
-expert FFN 1024, so every expert's up and down matrices are 1 MiB fp32; 2 MoE layers of 4
-experts) is trained by DeepSpeed at ep 2 x dp 1 (W=2), ZeRO-1, converted, and loaded with
-``ucformat.deepspeed.load`` at ep 1 x dp 2 (every expert, ZeRO partitions: flat ranges) and at
-ep 2 x dp 1 (each rank its 2 experts per layer, whole). Each load's own checks pass (every state
+expert FFN 1024 in the first MoE layer and 1536 in the second, so every expert's up and down
+matrices are 1 or 1.5 MiB fp32; 2 MoE layers of 4 experts) is trained by DeepSpeed at ep 2 x dp 1
+(W=2), ZeRO-1, converted, and loaded with ``ucformat.deepspeed.load`` at ep 1 x dp 2 (every
+expert, ZeRO partitions: flat ranges, the cut inside a 1.5 MiB matrix) and at ep 2 x dp 1 (each
+rank its 2 experts per layer, whole). Each load's own checks pass (every state
 exact against the training job's, next losses equal the uninterrupted run's), and every rank's
 ``LoadReport`` bytes read stay within 1.2x of the bytes it needs (docs/benchmarks.md). The wide
 checkpoint has its own cache folder.
@@ -23,9 +24,9 @@ from tests.fixtures.make_fixtures import REPO_ROOT
 pytestmark = pytest.mark.deepspeed
 
 WIDE_CACHE = REPO_ROOT / "tests" / ".cache" / "moe_wide"
-#: Per rank, either layout holds 2 layers x 2 experts' worth of 1 MiB matrices x (up, down) in
-#: fp32 + 2 Adam moments: 24 MiB.
-WIDE_BYTES = 2 * 2 * 2 * 3 * 2**20
+#: Per rank, either layout holds 2 experts' worth of each layer's (up, down) matrices (1 and
+#: 1.5 MiB) in fp32 + 2 Adam moments: 30 MiB.
+WIDE_BYTES = 2 * 2 * 3 * (2**20 + 3 * 2**19)
 #: target name -> (ep_size, ZeRO stage) at W=2
 TARGETS = {"ep1dp2-z1": (1, 1), "ep2dp1-z1": (2, 1)}
 
