@@ -8,6 +8,7 @@ those patterns is refused in one line; the store loads into a plain torch networ
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -121,6 +122,38 @@ class _Plain(torch.nn.Module):
             x = torch.tanh(layers[str(base)](x))
             x = layers[str(base + 2)](layers[str(base + 1)](x))
         return x
+
+
+@pytest.fixture(scope="module")
+def plain_engine_load(
+    case_dir: Path, store: Path, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, Any]:
+    from dataclasses import asdict
+
+    from tests.fixtures.pp_cases import by_name, run_pipeline_jobs, to_universal
+
+    universal = to_universal({CASE: case_dir})[CASE]
+    job = {
+        "kind": "load", "name": "pptp-plain", "case": asdict(by_name(CASE)),
+        "dir": str(case_dir), "store": str(store), "universal": str(universal),
+        "target": {"pp": 1, "dp": 1, "plain": True}, "world_size": 1,
+    }  # fmt: skip
+    return run_pipeline_jobs([job], tmp_path_factory.mktemp("pptp-loads"))["pptp-plain"]
+
+
+def test_pp_tp_store_loads_into_a_plain_deepspeed_engine(
+    case_dir: Path, plain_engine_load: dict[str, Any]
+) -> None:
+    import json
+
+    # fp32 masters and Adam moments equal the training job's, and DeepSpeed's own universal
+    # load of its ds_to_universal output gives the same state and the same next two losses
+    result = plain_engine_load
+    assert result["failures"] == []
+    assert result["oracle_losses"] == result["losses"]
+    # same batches as the pp2 x tp2 run's (dp 1): its next losses, to float rounding
+    want = json.loads((case_dir / "losses.json").read_text())
+    assert result["losses"] == pytest.approx(want, rel=1e-5)
 
 
 def test_pp_tp_store_loads_into_a_plain_torch_model(case_dir: Path, store: Path) -> None:
