@@ -125,7 +125,7 @@ class _Plain(torch.nn.Module):
 
 
 @pytest.fixture(scope="module")
-def plain_engine_load(
+def engine_loads(
     case_dir: Path, store: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> dict[str, Any]:
     from dataclasses import asdict
@@ -133,27 +133,44 @@ def plain_engine_load(
     from tests.fixtures.pp_cases import by_name, run_pipeline_jobs, to_universal
 
     universal = to_universal({CASE: case_dir})[CASE]
-    job = {
-        "kind": "load", "name": "pptp-plain", "case": asdict(by_name(CASE)),
-        "dir": str(case_dir), "store": str(store), "universal": str(universal),
-        "target": {"pp": 1, "dp": 1, "plain": True}, "world_size": 1,
-    }  # fmt: skip
-    return run_pipeline_jobs([job], tmp_path_factory.mktemp("pptp-loads"))["pptp-plain"]
+    common = {"kind": "load", "case": asdict(by_name(CASE)), "dir": str(case_dir),
+              "store": str(store)}  # fmt: skip
+    jobs = [
+        {**common, "name": "plain", "universal": str(universal),
+         "target": {"pp": 1, "dp": 1, "plain": True}, "world_size": 1},
+        {**common, "name": "pp1tp2", "universal": None,
+         "target": {"pp": 1, "dp": 1, "plain": False}, "world_size": 2},
+        {**common, "name": "pp2tp2", "universal": None,
+         "target": {"pp": 2, "dp": 1, "plain": False}, "world_size": 4},
+    ]  # fmt: skip
+    return run_pipeline_jobs(jobs, tmp_path_factory.mktemp("pptp-loads"))
 
 
 def test_pp_tp_store_loads_into_a_plain_deepspeed_engine(
-    case_dir: Path, plain_engine_load: dict[str, Any]
+    case_dir: Path, engine_loads: dict[str, Any]
 ) -> None:
     import json
 
     # fp32 masters and Adam moments equal the training job's, and DeepSpeed's own universal
     # load of its ds_to_universal output gives the same state and the same next two losses
-    result = plain_engine_load
+    result = engine_loads["plain"]
     assert result["failures"] == []
     assert result["oracle_losses"] == result["losses"]
     # same batches as the pp2 x tp2 run's (dp 1): its next losses, to float rounding
     want = json.loads((case_dir / "losses.json").read_text())
     assert result["losses"] == pytest.approx(want, rel=1e-5)
+
+
+@pytest.mark.parametrize("name", ["pp1tp2", "pp2tp2"])
+def test_pp_tp_store_loads_into_a_pipeline_tp_engine(
+    name: str, engine_loads: dict[str, Any]
+) -> None:
+    # every rank's fp32 shards and Adam moments (gathered over tp) equal the job's, each stage
+    # reads at most its own params' bytes, and the next two losses equal the uninterrupted
+    # run's bit for bit (same batches, same tp reductions)
+    result = engine_loads[name]
+    assert result["failures"] == []
+    assert result["uninterrupted"] == result["losses"]
 
 
 def test_pp_tp_store_loads_into_a_plain_torch_model(case_dir: Path, store: Path) -> None:
