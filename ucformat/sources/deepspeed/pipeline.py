@@ -116,8 +116,8 @@ def find_pipeline_files(folder: Path, tag: str) -> PipelineFiles:
     if tp_files:
         raise UnsupportedCheckpointError(
             f"{folder / tp_files[0]}: pipeline layer files split by tensor parallelism "
-            "(layer_*-model_*-model_states.pt); ucformat reads pipelines without tensor "
-            "parallelism only."
+            "(layer_*-model_*-model_states.pt); list them with find_pipeline_tp_files "
+            "(read_pipeline_checkpoint does), not as a pipeline without tensor parallelism."
         )
     models = {int(m["mp"]): n for n in names if (m := _MODEL.match(n))}
     if not models:
