@@ -142,6 +142,10 @@ def engine_loads(
          "target": {"pp": 1, "dp": 1, "plain": False}, "world_size": 2},
         {**common, "name": "pp2tp2", "universal": None,
          "target": {"pp": 2, "dp": 1, "plain": False}, "world_size": 4},
+        {**common, "name": "pp1tp4", "universal": None,
+         "target": {"pp": 1, "dp": 1, "mp": 4, "plain": False}, "world_size": 4},
+        {**common, "name": "pp2tp1dp2", "universal": None,
+         "target": {"pp": 2, "dp": 2, "mp": 1, "plain": False}, "world_size": 4},
     ]  # fmt: skip
     return run_pipeline_jobs(jobs, tmp_path_factory.mktemp("pptp-loads"))
 
@@ -171,6 +175,15 @@ def test_pp_tp_store_loads_into_a_pipeline_tp_engine(
     result = engine_loads[name]
     assert result["failures"] == []
     assert result["uninterrupted"] == result["losses"]
+
+
+@pytest.mark.parametrize("name", ["pp1tp4", "pp2tp1dp2"])
+def test_pp_tp_store_loads_at_another_tp_degree(name: str, engine_loads: dict[str, Any]) -> None:
+    # tp2 -> tp4 (each full array cut in equal widths) and tp2 -> tp1 x dp2: every rank's state
+    # (gathered over tp) equals the job's; the run continues
+    result = engine_loads[name]
+    assert result["failures"] == []
+    assert len(result["losses"]) == 2 and "uninterrupted" not in result
 
 
 def test_pp_tp_store_loads_into_a_plain_torch_model(case_dir: Path, store: Path) -> None:
