@@ -31,6 +31,7 @@ from ucformat.collective import NOTHING_LOADED, group, settle
 from ucformat.deepspeed.engine import EngineView, describe_engine
 from ucformat.deepspeed.experts import held_elsewhere
 from ucformat.deepspeed.pipeline import other_stage_names
+from ucformat.deepspeed.pipeline_tp import pipeline_shard_maps
 from ucformat.deepspeed.tensor_parallel import logical_fragments, shard_maps
 from ucformat.deepspeed.unpartitioned import describe_unpartitioned, is_unpartitioned
 from ucformat.errors import ModelMismatchError, UCFormatError
@@ -119,7 +120,7 @@ def load(
     ckpt = store if isinstance(store, UniversalCheckpoint) else open_checkpoint(store)
     before, requests_before = ckpt.stats.bytes_read, ckpt.stats.requests
     view = describe_unpartitioned(engine) if is_unpartitioned(engine) else describe_engine(engine)
-    view.shard_maps = shard_maps(engine)
+    view.shard_maps = shard_maps(engine) or pipeline_shard_maps(engine, ckpt.manifest)
     manifest = ckpt.manifest
     report = LoadReport()
     trainable = {name for t in view.targets for name in t.names}

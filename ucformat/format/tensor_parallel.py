@@ -80,8 +80,10 @@ class ParamSplit(ManifestModel):
 class TensorParallelInfo(ManifestModel):
     """The source's tensor-parallel layout (absent: no tensor parallelism)."""
 
-    framework: Literal["deepspeed-autotp"] = Field(
-        description="What split the parameters: 'deepspeed-autotp' (DeepSpeed AutoTP)."
+    framework: Literal["deepspeed-autotp", "deepspeed-patterns"] = Field(
+        description="What split the parameters: 'deepspeed-autotp' (DeepSpeed AutoTP), "
+        "'deepspeed-patterns' (a DeepSpeed PipelineModule whose universal_checkpoint_info "
+        "lists replicated and row-parallel parameters by name pattern)."
     )
     degree: int = Field(ge=1, description="Tensor-parallel ranks of the source.")
     params: dict[str, ParamSplit] = Field(

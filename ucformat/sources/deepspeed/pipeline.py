@@ -39,6 +39,7 @@ from ucformat.errors import (
 from ucformat.format.dtypes import numpy_storage_dtype
 from ucformat.format.models import SourceFile, SourceInfo
 from ucformat.format.pipeline import PipelineLayout, PipelineStage
+from ucformat.format.tensor_parallel import TensorParallelInfo
 from ucformat.layout.pipeline import TIED_PREFIX, parse_pipeline_name, stage_owners
 from ucformat.sources.base import ArraySource, SourceCheckpoint, SourceParam, frozen_param
 from ucformat.sources.deepspeed.checkpoint import (
@@ -53,6 +54,11 @@ from ucformat.sources.deepspeed.checkpoint import (
     _zero_stage,
 )
 from ucformat.sources.deepspeed.files import locate_tag_folder
+from ucformat.sources.deepspeed.pipeline_tp import (
+    find_pipeline_tp_files,
+    has_tp_layer_files,
+    merge_pipeline_tp,
+)
 from ucformat.sources.deepspeed.states import FlatStates, read_zero12_states
 from ucformat.sources.reading import describing
 from ucformat.sources.safe_unpickle import PicklePolicy
@@ -110,8 +116,8 @@ def find_pipeline_files(folder: Path, tag: str) -> PipelineFiles:
     if tp_files:
         raise UnsupportedCheckpointError(
             f"{folder / tp_files[0]}: pipeline layer files split by tensor parallelism "
-            "(layer_*-model_*-model_states.pt); ucformat reads pipelines without tensor "
-            "parallelism only."
+            "(layer_*-model_*-model_states.pt); list them with find_pipeline_tp_files "
+            "(read_pipeline_checkpoint does), not as a pipeline without tensor parallelism."
         )
     models = {int(m["mp"]): n for n in names if (m := _MODEL.match(n))}
     if not models:
@@ -180,6 +186,8 @@ def read_pipeline_checkpoint(
         UCFormatError: as :func:`find_pipeline_files`, or damaged files.
     """
     folder, tag_name = locate_tag_folder(Path(src), tag)
+    if has_tp_layer_files(folder):  # layer_XX-model_YY: tensor parallel (.pipeline_tp)
+        return _read_tensor_parallel(folder, tag_name, policy, check_crc)
     files = find_pipeline_files(folder, tag_name)
     handles: list[TorchFile] = []
 
@@ -193,6 +201,33 @@ def read_pipeline_checkpoint(
         optim = [[opened(p) for p in stage] for stage in files.optim_files]
         layers = {index: opened(p) for index, p in sorted(files.layer_files.items())}
         return _describe(files, models, optim, layers, handles)
+
+
+def _read_tensor_parallel(
+    folder: Path, tag: str, policy: PicklePolicy | None, check_crc: bool
+) -> SourceCheckpoint:
+    tp_files = find_pipeline_tp_files(folder, tag)
+    handles: list[TorchFile] = []
+
+    def opened(path: Path) -> TorchFile:
+        handle = open_torch_file(path, policy, check_crc=check_crc)
+        handles.append(handle)
+        return handle
+
+    with describing(folder, "the pipeline files", "a supported DeepSpeed", lambda: _close(handles)):
+        models = [[opened(p) for p in stage] for stage in tp_files.model_files]
+        optim = [[[opened(p) for p in ranks] for ranks in stage] for stage in tp_files.optim_files]
+        metas = [[_model_meta(h) for h in stage] for stage in models]
+        flats, tensor_parallel = merge_pipeline_tp(tp_files, metas, optim)
+        files = PipelineFiles(
+            folder=folder,
+            tag=tag,
+            model_files=tuple(stage[0] for stage in tp_files.model_files),
+            optim_files=tuple(stage[0] for stage in tp_files.optim_files),
+            layer_files={},
+        )
+        first = [stage[0] for stage in optim]
+        return _assemble(files, [m[0] for m in metas], flats, first, {}, handles, tensor_parallel)
 
 
 def _close(handles: list[TorchFile]) -> None:
@@ -239,11 +274,25 @@ def _describe(
     metas = [_model_meta(handle) for handle in models]
     _check_stage_meta(files, metas, models)
     dp = files.data_parallel
-    zero_stage = _zero_stage(optim[0][0], False)
     flats = [
         read_zero12_states(_with_param_shapes(meta, shards, layers), shards, dp)
         for meta, shards in zip(metas, optim, strict=True)
     ]
+    return _assemble(files, metas, flats, optim, layers, handles)
+
+
+def _assemble(
+    files: PipelineFiles,
+    metas: Sequence[Mapping[str, Any]],
+    flats: Sequence[FlatStates],
+    optim: Sequence[Sequence[TorchFile]],
+    layers: dict[int, TorchFile],
+    handles: list[TorchFile],
+    tensor_parallel: TensorParallelInfo | None = None,
+) -> SourceCheckpoint:
+    """The source of the stages' ``flats`` (``optim[s]``: stage ``s``'s shards, replica order)."""
+    dp = files.data_parallel
+    zero_stage = _zero_stage(optim[0][0], False)
     merged = _merge_stages(flats, [shards[0] for shards in optim])
     train_dtype = _train_dtype(metas[0].get("ds_config"))
     params = _trainable_params(merged, {}, train_dtype)
@@ -284,6 +333,7 @@ def _describe(
         progress=_progress(metas[0], optim[0][0].obj["optimizer_state_dict"]),
         client_state=_client_state(metas[0]),
         files=handles,
+        tensor_parallel=tensor_parallel,
     )
 
 

@@ -1,0 +1,336 @@
+"""DeepSpeed ``PipelineModule`` checkpoints with tensor parallelism (a ``model`` topology axis).
+
+The files of a tag folder of a ``PipelineModule`` at ``pp`` stages x ``tp`` model ranks x
+``dp`` replicas (DeepSpeed 0.19.8; docs/parallel.md, "Pipeline and tensor parallel"):
+
+* ``mp_rank_{s * tp + t:02d}_model_states.pt`` per stage ``s`` and model rank ``t``
+  (``param_shapes`` in shard shapes; ``checkpoint_parallel_dimensions`` says ``pp_degree`` and
+  ``tp_degree``; the training script's ``client_state`` at the top level);
+* ``[bf16_]zero_pp_rank_{d}_mp_rank_{s * tp + t:02d}_optim_states.pt``: that (stage, model
+  rank)'s ZeRO-1 partitions over its ``dp`` replicas;
+* ``layer_{i:02d}-model_{t:02d}-model_states.pt`` per layer and model rank (training-dtype
+  weights; not needed: every parameter is trainable, buffers and frozen params are refused).
+
+The files do not say along which dimension each tensor is split. A training script that
+records DeepSpeed's ``universal_checkpoint_info`` (Megatron-DeepSpeed does, as
+``client_state``) lists it by name patterns: ``tp_replicated_parameter_patterns`` (whole on
+every model rank), ``parameter_with_row_parallelism_patterns`` (split on dim 1), every other
+parameter split on dim 0 (column-parallel), the same rule DeepSpeed's ``ds_to_universal``
+applies. Algorithm: per stage, each model rank's shard shapes and those patterns become one
+shard map per parameter (:mod:`ucformat.layout.tensor_parallel`), and the stage's ranks are
+merged exactly as AutoTP ranks are (:mod:`.tensor_parallel`: fragments placed in the full
+arrays, replicated params compared state by state across the model ranks). The stages are
+then united by name by :mod:`.pipeline`. Pattern lists this reader cannot place (averaged,
+vocabulary, sub-parameter layouts) are refused in one line.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ucformat.errors import LayoutMismatchError, SourceNotFoundError, UnsupportedCheckpointError
+from ucformat.format.tensor_parallel import TensorParallelInfo
+from ucformat.layout.tensor_parallel import Piece, split_pieces
+from ucformat.sources.deepspeed.states import FlatStates
+from ucformat.sources.deepspeed.tensor_parallel import merge_tensor_parallel
+from ucformat.sources.torchfile import TorchFile
+
+__all__ = [
+    "PipelineTPFiles",
+    "find_pipeline_tp_files",
+    "has_tp_layer_files",
+    "merge_pipeline_tp",
+]
+
+_MODEL = re.compile(r"^mp_rank_(?P<mp>\d+)_model_states\.pt$")
+_OPTIM = re.compile(
+    r"^(?P<prefix>bf16_|fp16_)?zero_pp_rank_(?P<dp>\d+)_mp_rank_(?P<mp>\d+)_optim_states\.pt$"
+)
+_LAYER_TP = re.compile(r"^layer_(?P<layer>\d+)-model_(?P<tp>\d+)-model_states\.pt$")
+
+#: The ``universal_checkpoint_info`` lists this reader applies.
+REPLICATED = "tp_replicated_parameter_patterns"
+ROW_PARALLEL = "parameter_with_row_parallelism_patterns"
+#: Lists whose layouts it does not place (refused when non-empty).
+UNSUPPORTED = (
+    "parameter_to_average_patterns",
+    "vocabulary_parameter_patterns",
+    "parameter_with_2_sub_params_cat_dim_0",
+    "parameter_with_sub_params",
+    "autotp_unsupported_parameter_patterns",
+)
+
+
+@dataclass(frozen=True)
+class PipelineTPFiles:
+    """The files of one pipeline x tensor-parallel checkpoint tag."""
+
+    folder: Path
+    tag: str
+    #: Per stage, per model rank: its model-states file.
+    model_files: tuple[tuple[Path, ...], ...]
+    #: Per stage, per model rank, per data-parallel rank: its optimizer-states file.
+    optim_files: tuple[tuple[tuple[Path, ...], ...], ...]
+    #: One layer file (the first found), named in refusals.
+    first_layer_file: Path
+
+    @property
+    def stages(self) -> int:
+        """Pipeline stages."""
+        return len(self.model_files)
+
+    @property
+    def degree(self) -> int:
+        """Model (tensor-parallel) ranks per stage."""
+        return len(self.model_files[0])
+
+    @property
+    def data_parallel(self) -> int:
+        """Data-parallel replicas per (stage, model rank)."""
+        return len(self.optim_files[0][0])
+
+
+def has_tp_layer_files(folder: Path) -> bool:
+    """Whether ``folder`` holds ``layer_XX-model_YY-model_states.pt`` files."""
+    return any(_LAYER_TP.match(p.name) for p in folder.iterdir())
+
+
+def find_pipeline_tp_files(folder: Path, tag: str) -> PipelineTPFiles:
+    """List and check the files of a pipeline x tensor-parallel tag folder (names only).
+
+    Raises:
+        SourceNotFoundError: a (stage, model rank)'s or a replica's file is missing.
+        UnsupportedCheckpointError: no optimizer shards (ZeRO-0 in fp32).
+        LayoutMismatchError: files from different runs are mixed.
+    """
+    names = sorted(p.name for p in folder.iterdir() if p.is_file())
+    layer_names = [n for n in names if _LAYER_TP.match(n)]
+    degree = max(int(m["tp"]) for n in layer_names if (m := _LAYER_TP.match(n))) + 1
+    models = {int(m["mp"]): n for n in names if (m := _MODEL.match(n))}
+    ranks = max(models, default=-1) + 1
+    if ranks == 0 or ranks % degree:
+        raise LayoutMismatchError(
+            f"{folder}: layer files of {degree} model ranks but {ranks} mp_rank_*_model_states.pt "
+            f"files (expected stages x {degree}); files from different runs are mixed."
+        )
+    for mp in range(ranks):
+        if mp not in models:
+            raise SourceNotFoundError(
+                f"{folder / f'mp_rank_{mp:02d}_model_states.pt'}: missing; the folder has "
+                f"model states up to mp rank {ranks - 1}."
+            )
+    optim: dict[int, dict[int, str]] = {}
+    prefixes = set()
+    for name in names:
+        if (match := _OPTIM.match(name)) is not None:
+            optim.setdefault(int(match["mp"]), {})[int(match["dp"])] = name
+            prefixes.add(match["prefix"] or "")
+    if not optim:
+        raise UnsupportedCheckpointError(
+            f"{folder}: pipeline x tensor-parallel checkpoint without *_optim_states.pt shards "
+            "(ZeRO-0 in fp32); ucformat reads them trained with ZeRO-1."
+        )
+    if len(prefixes) > 1:
+        raise LayoutMismatchError(
+            f"{folder}: optimizer shards with different name prefixes ({sorted(prefixes)}); files "
+            "from different runs are mixed."
+        )
+    prefix = prefixes.pop()
+    dp = max(max(r) for r in optim.values()) + 1
+    for mp in range(ranks):
+        for rank in range(dp):
+            if rank not in optim.get(mp, {}):
+                missing = f"{prefix}zero_pp_rank_{rank}_mp_rank_{mp:02d}_optim_states.pt"
+                raise SourceNotFoundError(
+                    f"{folder / missing}: missing; one optimizer shard per (stage, model rank) "
+                    f"and each of {dp} data-parallel ranks."
+                )
+    stages = ranks // degree
+    return PipelineTPFiles(
+        folder=folder,
+        tag=tag,
+        model_files=tuple(
+            tuple(folder / models[s * degree + t] for t in range(degree)) for s in range(stages)
+        ),
+        optim_files=tuple(
+            tuple(
+                tuple(folder / optim[s * degree + t][r] for r in range(dp)) for t in range(degree)
+            )
+            for s in range(stages)
+        ),
+        first_layer_file=folder / layer_names[0],
+    )
+
+
+def merge_pipeline_tp(
+    files: PipelineTPFiles,
+    metas: Sequence[Sequence[Mapping[str, Any]]],
+    optim: Sequence[Sequence[Sequence[TorchFile]]],
+) -> tuple[list[FlatStates], TensorParallelInfo]:
+    """Per stage, its model ranks' shards placed in full arrays; and the split of every
+    parameter (``metas[s][t]``, ``optim[s][t][d]``: stage ``s``, model rank ``t``, replica ``d``).
+
+    Raises:
+        UnsupportedCheckpointError: no ``universal_checkpoint_info`` patterns, or patterns or
+            parameters this reader cannot place.
+        LayoutMismatchError: the ranks disagree (shapes, names, replicated values, steps).
+    """
+    info = _patterns(files, metas[0][0])
+    stage_flats: list[FlatStates] = []
+    params: dict[str, Any] = {}
+    for s, (stage_metas, stage_optim) in enumerate(zip(metas, optim, strict=True)):
+        _check_metas(files, s, stage_metas)
+        shapes = [_param_shapes(meta, files, s, t) for t, meta in enumerate(stage_metas)]
+        for t, held in enumerate(shapes[1:], start=1):
+            if set(held) != set(shapes[0]):
+                raise LayoutMismatchError(
+                    f"{files.model_files[s][t]}: other parameters than model rank 0 of stage {s} "
+                    f"({sorted(set(held) ^ set(shapes[0]))[0]}); files from different runs are "
+                    "mixed, or the topology's axes are not in pipe, data, model order."
+                )
+        affine = {
+            f"^{re.escape(name)}$": _affine(name, [ranks[name] for ranks in shapes], info)
+            for name in shapes[0]
+        }
+        synthetic = [
+            {
+                **meta,
+                "checkpoint_parallel_dimensions": {"tp_degree": files.degree},
+                "universal_checkpoint_info": {"affine_map": {"version": 1, "params": affine}},
+            }
+            for meta in stage_metas
+        ]
+        flat, split = merge_tensor_parallel(
+            list(zip(synthetic, stage_optim, strict=True)), files.data_parallel, 1
+        )
+        stage_flats.append(flat)
+        for name, param in split.params.items():
+            params.setdefault(name, param)
+    return stage_flats, TensorParallelInfo(
+        framework="deepspeed-patterns", degree=files.degree, params=params
+    )
+
+
+def _patterns(files: PipelineTPFiles, meta: Mapping[str, Any]) -> Mapping[str, Any]:
+    info = meta.get("universal_checkpoint_info")
+    where = f"{files.first_layer_file} (pp {files.stages} x tp {files.degree})"
+    if not isinstance(info, Mapping) or not (info.get(REPLICATED) or info.get(ROW_PARALLEL)):
+        raise UnsupportedCheckpointError(
+            f"{where}: a pipeline with tensor parallelism whose model states carry no "
+            f"universal_checkpoint_info ({REPLICATED}, {ROW_PARALLEL}), so the split dimension "
+            "of each tensor is unknown; save with client_state={'universal_checkpoint_info': "
+            "...} (docs/parallel.md)."
+        )
+    for key in UNSUPPORTED:
+        if info.get(key):
+            raise UnsupportedCheckpointError(
+                f"{where}: universal_checkpoint_info lists {key}; ucformat places replicated, "
+                "row-parallel and column-parallel parameters only."
+            )
+    return info
+
+
+def _check_metas(files: PipelineTPFiles, stage: int, metas: Sequence[Mapping[str, Any]]) -> None:
+    for t, meta in enumerate(metas):
+        path = files.model_files[stage][t]
+        dims = meta.get("checkpoint_parallel_dimensions") or {}
+        for key, want in (("pp_degree", files.stages), ("tp_degree", files.degree)):
+            if int(dims.get(key, want)) != want:
+                raise LayoutMismatchError(
+                    f"{path}: {key} is {dims[key]} but the folder's files make {want}; files "
+                    "from different runs are mixed."
+                )
+        if int(meta["dp_world_size"]) != files.data_parallel:
+            raise LayoutMismatchError(
+                f"{path}: dp_world_size is {meta['dp_world_size']} but the folder has "
+                f"{files.data_parallel} optimizer shards per rank; files from different runs "
+                "are mixed."
+            )
+        if meta.get("buffer_names") or meta.get("frozen_param_shapes"):
+            raise UnsupportedCheckpointError(
+                f"{path}: buffers or frozen parameters in a pipeline with tensor parallelism; "
+                "ucformat converts those whose parameters are all trainable."
+            )
+
+
+def _param_shapes(
+    meta: Mapping[str, Any], files: PipelineTPFiles, stage: int, rank: int
+) -> dict[str, tuple[int, ...]]:
+    groups = meta.get("param_shapes")
+    if not groups:
+        raise UnsupportedCheckpointError(
+            f"{files.model_files[stage][rank]}: no param_shapes; ucformat reads pipelines with "
+            "tensor parallelism trained with ZeRO-1."
+        )
+    return {str(n): tuple(int(d) for d in s) for group in groups for n, s in group.items()}
+
+
+def _matches(patterns: Sequence[str], name: str) -> bool:
+    return any(re.match(p, name) for p in patterns)
+
+
+def _affine(
+    name: str, shards: Sequence[tuple[int, ...]], info: Mapping[str, Any]
+) -> dict[str, Any]:
+    """The affine-map entry (:mod:`.tensor_parallel`'s encoding) of ``name`` from its ranks'
+    shard shapes and the pattern lists."""
+    replicated = _matches(info.get(REPLICATED) or [], name)
+    row = _matches(info.get(ROW_PARALLEL) or [], name)
+    if replicated and row:
+        raise UnsupportedCheckpointError(
+            f"param '{name}' matches both {REPLICATED} and {ROW_PARALLEL}; expected one."
+        )
+    first = shards[0]
+    if replicated:
+        if any(shape != first for shape in shards):
+            raise LayoutMismatchError(
+                f"param '{name}' is listed as tensor-parallel replicated but its model ranks hold "
+                f"shapes {[list(s) for s in shards]}."
+            )
+        logical = first
+        pieces = [[_whole(first)] for _ in shards]
+    else:
+        dim = 1 if row else 0
+        if len(first) <= dim or any(
+            len(s) != len(first) or s[:dim] + s[dim + 1 :] != first[:dim] + first[dim + 1 :]
+            for s in shards
+        ):
+            raise LayoutMismatchError(
+                f"param '{name}': model ranks hold shapes {[list(s) for s in shards]}, not a split "
+                f"on dim {dim} ({'row' if row else 'column'}-parallel by the patterns)."
+            )
+        widths = [s[dim] for s in shards]
+        logical = (*first[:dim], sum(widths), *first[dim + 1 :])
+        pieces = split_pieces(logical, dim, [widths])
+    return {
+        "logical_shape": list(logical),
+        "ranks": {
+            t: {"shard_shape": list(shape), "pieces": [_encode(p) for p in rank_pieces]}
+            for t, (shape, rank_pieces) in enumerate(zip(shards, pieces, strict=True))
+        },
+    }
+
+
+def _strides(shape: Sequence[int]) -> tuple[int, ...]:
+    out: list[int] = []
+    step = 1
+    for d in reversed(shape):
+        out.append(step)
+        step *= d
+    return tuple(reversed(out))
+
+
+def _whole(shape: tuple[int, ...]) -> Piece:
+    return Piece(shape, 0, _strides(shape), 0, _strides(shape))
+
+
+def _encode(piece: Piece) -> dict[str, Any]:
+    return {
+        "shape": list(piece.shape),
+        "source": [piece.source_offset, list(piece.source_strides)],
+        "dest": [piece.dest_offset, list(piece.dest_strides)],
+    }
