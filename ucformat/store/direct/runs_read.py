@@ -25,7 +25,6 @@ from __future__ import annotations
 import functools
 import itertools
 import math
-import mmap
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -37,8 +36,8 @@ from ucformat.format.dtypes import itemsize
 from ucformat.format.models import ArrayRef
 from ucformat.layout.chunking import is_flat_chunking
 from ucformat.layout.ranges import Box, box_rect, flat_range_to_boxes, intersect_boxes
-from ucformat.layout.shards import ABSENT, CRC_BYTES, ChunkSlot, ShardLayout, shard_layout
-from ucformat.store.direct.objects import fetch_bytes, local_file
+from ucformat.layout.shards import CRC_BYTES, ChunkSlot, ShardLayout, shard_layout
+from ucformat.store.direct.objects import fetch_bytes
 from ucformat.store.direct.shard_read import (
     NOT_APPLICABLE,
     OK,
@@ -46,7 +45,10 @@ from ucformat.store.direct.shard_read import (
     Outcome,
     ShardKey,
     _index,
+    back_to_back,
     check_flat_range,
+    check_in_place,
+    index_entry_problem,
     read_flat_range,
 )
 
@@ -114,23 +116,7 @@ def check_runs(
     item = itemsize(ref.dtype)
     flat = [(start, stop, 0) for start, stop in spans]
     pieces = _pieces(ref.shape, flat, None, item)
-    for shard in _shards(store, ref, shard_key, pieces):
-        if isinstance(shard, DirectRead):
-            return shard
-        path = local_file(store, shard.key)
-        if path is None:
-            return NOT_APPLICABLE
-        try:
-            with open(path, "rb") as file:
-                for chunks in shard.runs:
-                    result = _check_run(file.fileno(), shard, chunks)
-                    if not result.ok:
-                        return result
-        except ValueError:  # the file is shorter than its index says
-            return _corrupt(f"shard object '{shard.key}' is shorter than its index says")
-        except OSError:  # unreadable: not a finding about the data; zarr reports it
-            return NOT_APPLICABLE
-    return OK
+    return check_in_place(store, _shards(store, ref, shard_key, pieces))
 
 
 @dataclass
@@ -267,28 +253,12 @@ def _shards(
         for local, numbers in wanted.items():
             slot = slots[local]
             offset, nbytes = (int(v) for v in entries[local])
-            if offset == ABSENT:
-                yield _corrupt(f"{shard.chunk(slot)} is absent from the index of '{key}'")
-                return
-            if nbytes != stored:
-                yield _corrupt(
-                    f"{shard.chunk(slot)} is {nbytes} bytes in the index of '{key}', "
-                    f"expected {stored}"
-                )
-                return
-            if offset + stored > data_end:
-                yield _corrupt(
-                    f"{shard.chunk(slot)} is at offset {offset} in the index of '{key}', "
-                    f"past the {data_end} bytes of chunks the shard can hold"
-                )
+            problem = index_entry_problem(shard, slot, offset, nbytes, data_end)
+            if problem is not None:
+                yield _corrupt(problem)
                 return
             found.append((offset, slot, numbers))
-        found.sort(key=lambda entry: entry[0])
-        for entry in found:
-            if shard.runs and entry[0] == shard.runs[-1][-1][0] + stored:
-                shard.runs[-1].append(entry)
-            else:
-                shard.runs.append([entry])
+        shard.runs.extend(back_to_back(found, stored))
         yield shard
 
 
@@ -340,26 +310,3 @@ def _read_run(
             piece.view[into] = values[fro]
             placed += math.prod(p.stop - p.start for p in part)
     return placed
-
-
-_MAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-
-
-def _check_run(fd: int, shard: _Shard, chunks: _Chunks) -> DirectRead:
-    """Check the crc32c of chunks stored back to back, through a read-only map of their bytes."""
-    chunk_nbytes = shard.layout.chunk_nbytes
-    begin = chunks[0][0] - chunks[0][0] % mmap.ALLOCATIONGRANULARITY
-    end = chunks[-1][0] + chunk_nbytes + CRC_BYTES
-    with (
-        mmap.mmap(fd, end - begin, flags=_MAP_FLAGS, prot=mmap.PROT_READ, offset=begin) as data,
-        memoryview(data) as view,
-    ):
-        for offset, slot, _ in chunks:
-            at = offset - begin
-            with (
-                view[at : at + chunk_nbytes] as chunk,
-                view[at + chunk_nbytes : at + chunk_nbytes + CRC_BYTES] as checksum,
-            ):
-                if not _crc_ok(chunk, checksum):
-                    return _corrupt(f"{shard.chunk(slot)} fails its crc32c checksum")
-    return OK

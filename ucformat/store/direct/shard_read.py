@@ -36,8 +36,9 @@ import enum
 import math
 import mmap
 import os
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any, Protocol, TypeVar
 
 import crc32c
 import numpy as np
@@ -59,7 +60,18 @@ from ucformat.store.checked import CheckedStore
 from ucformat.store.direct.objects import fetch_bytes, local_file
 from ucformat.sysio.fileio import preadv_all
 
-__all__ = ["NOT_APPLICABLE", "OK", "DirectRead", "Outcome", "check_flat_range", "read_flat_range"]
+__all__ = [
+    "NOT_APPLICABLE",
+    "OK",
+    "CheckedShard",
+    "DirectRead",
+    "Outcome",
+    "check_flat_range",
+    "back_to_back",
+    "check_in_place",
+    "index_entry_problem",
+    "read_flat_range",
+]
 
 ShardKey = Callable[[tuple[int, ...]], str]
 
@@ -142,7 +154,34 @@ def check_flat_range(
     their destinations. ``NOT_APPLICABLE`` for the layouts of the module docstring and for
     stores that are not local directories (those are read into staging buffers instead).
     """
-    for shard in _shard_runs(store, ref, shard_key, start, stop):
+    return check_in_place(store, _shard_runs(store, ref, shard_key, start, stop))
+
+
+class CheckedShard(Protocol):
+    """A shard whose wanted chunks :func:`check_in_place` checks: ``runs`` are lists of
+    entries ``(offset, slot, ...)`` stored back to back in the shard object ``key``."""
+
+    @property
+    def key(self) -> str:
+        """The shard object's store key."""
+
+    @property
+    def layout(self) -> ShardLayout:
+        """The shard's chunk layout."""
+
+    @property
+    def runs(self) -> Sequence[Sequence[tuple[Any, ...]]]:
+        """The wanted chunks, as runs of ``(offset, slot, ...)`` entries."""
+
+    def chunk(self, slot: ChunkSlot) -> str:
+        """The chunk as messages name it."""
+
+
+def check_in_place(store: Store, shards: Iterable[CheckedShard | DirectRead]) -> DirectRead:
+    """Check the crc32c of every wanted chunk of ``shards`` in place, through read-only memory
+    maps of the local shard files; the first outcome that is not ``OK`` (a ``DirectRead`` in
+    ``shards`` is returned as it comes). Shared by the flat and the box-chunk readers."""
+    for shard in shards:
         if isinstance(shard, DirectRead):
             return shard
         path = local_file(store, shard.key)
@@ -187,7 +226,44 @@ class _Shard:
         return f"chunk {where} (elements [{slot.flat_start}, {slot.flat_start + slot.length}))"
 
 
-def _check_run(fd: int, shard: _Shard, chunks: _Chunks) -> DirectRead:
+def index_entry_problem(
+    shard: CheckedShard, slot: ChunkSlot, offset: int, nbytes: int, data_end: int
+) -> str | None:
+    """What is wrong with a wanted chunk's index entry ``(offset, nbytes)``, or None: absent,
+    not ``chunk_nbytes + 4`` bytes, or past the ``data_end`` bytes of chunks the shard can hold
+    (a hostile or damaged index must not become a huge seek, mmap or allocation)."""
+    stored = shard.layout.chunk_nbytes + CRC_BYTES
+    if offset == ABSENT:
+        return f"{shard.chunk(slot)} is absent from the index of '{shard.key}'"
+    if nbytes != stored:
+        return (
+            f"{shard.chunk(slot)} is {nbytes} bytes in the index of '{shard.key}', "
+            f"expected {stored}"
+        )
+    if offset + stored > data_end:
+        return (
+            f"{shard.chunk(slot)} is at offset {offset} in the index of '{shard.key}', "
+            f"past the {data_end} bytes of chunks the shard can hold"
+        )
+    return None
+
+
+_Entry = TypeVar("_Entry", bound=tuple[Any, ...])
+
+
+def back_to_back(entries: Iterable[_Entry], stored: int) -> list[list[_Entry]]:
+    """Entries ``(offset, ...)`` in offset order, grouped into runs of chunks of ``stored``
+    bytes each that lie back to back in the shard object (one read or map per run)."""
+    runs: list[list[_Entry]] = []
+    for entry in sorted(entries, key=lambda e: int(e[0])):
+        if runs and entry[0] == runs[-1][-1][0] + stored:
+            runs[-1].append(entry)
+        else:
+            runs.append([entry])
+    return runs
+
+
+def _check_run(fd: int, shard: CheckedShard, chunks: Sequence[tuple[Any, ...]]) -> DirectRead:
     """Check the crc32c of chunks stored back to back, through a read-only map of their bytes."""
     chunk_nbytes = shard.layout.chunk_nbytes
     begin = chunks[0][0] - chunks[0][0] % mmap.ALLOCATIONGRANULARITY
@@ -196,7 +272,8 @@ def _check_run(fd: int, shard: _Shard, chunks: _Chunks) -> DirectRead:
         mmap.mmap(fd, end - begin, flags=_MAP_FLAGS, prot=mmap.PROT_READ, offset=begin) as data,
         memoryview(data) as view,
     ):
-        for offset, slot in chunks:
+        for entry in chunks:
+            offset, slot = entry[0], entry[1]
             at = offset - begin
             with (
                 view[at : at + chunk_nbytes] as chunk,
@@ -239,28 +316,12 @@ def _shard_runs(
         for slot in layout.slots:
             if slot.flat_start < stop and slot.flat_start + slot.length > start:
                 offset, nbytes = (int(v) for v in entries[slot.local])
-                if offset == ABSENT:
-                    yield _corrupt(f"{shard.chunk(slot)} is absent from the index of '{key}'")
-                    return
-                if nbytes != stored:
-                    yield _corrupt(
-                        f"{shard.chunk(slot)} is {nbytes} bytes in the index of '{key}', "
-                        f"expected {stored}"
-                    )
-                    return
-                if offset + stored > data_end:
-                    yield _corrupt(
-                        f"{shard.chunk(slot)} is at offset {offset} in the index of '{key}', "
-                        f"past the {data_end} bytes of chunks the shard can hold"
-                    )
+                problem = index_entry_problem(shard, slot, offset, nbytes, data_end)
+                if problem is not None:
+                    yield _corrupt(problem)
                     return
                 wanted.append((offset, slot))
-        wanted.sort(key=lambda pair: pair[0])
-        for pair in wanted:
-            if shard.runs and pair[0] == shard.runs[-1][-1][0] + stored:
-                shard.runs[-1].append(pair)
-            else:
-                shard.runs.append([pair])
+        shard.runs.extend(back_to_back(wanted, stored))
         yield shard
 
 
