@@ -34,6 +34,7 @@ from ucformat.format.spec import (
     name_problem,
     state_array_path,
 )
+from ucformat.format.tensor_parallel import TensorParallelInfo
 from ucformat.layout.chunking import Chunking, ChunkPolicy, choose_chunking, is_flat_chunking
 from ucformat.layout.ranges import check_tiling
 from ucformat.sources.base import ArraySource, SourceCheckpoint, SourceFragment
@@ -48,17 +49,20 @@ __all__ = [
 ]
 
 
-def layout_version(arrays: list[ArrayRef]) -> str:
-    """The lowest format version whose layout rules ``arrays`` satisfy (docs/format.md §5.3).
+def layout_version(
+    arrays: list[ArrayRef], tensor_parallel: TensorParallelInfo | None = None
+) -> str:
+    """The lowest format version whose rules the store satisfies (docs/format.md §5.3).
 
-    Format 3.0 only adds box chunks to 2.1: a store whose every chunk shape is flat-contiguous
-    is written as 2.1, so readers of format 2 still read it; one box-chunked array makes it 3.0,
-    which they refuse instead of misreading.
+    Format 3.0 adds to 2.1 only box chunks and the ``tensor_parallel.framework`` value
+    ``deepspeed-patterns``: a store with neither is written as 2.1, so readers of format 2
+    still read it; either makes it 3.0, which they refuse instead of misreading.
     """
     flat = all(
         prod(ref.shape) == 0 or is_flat_chunking(ref.shape, ref.chunk_shape) for ref in arrays
     )
-    return FLAT_CHUNKS_VERSION if flat else FORMAT_VERSION
+    known = tensor_parallel is None or tensor_parallel.framework == "deepspeed-autotp"
+    return FLAT_CHUNKS_VERSION if flat and known else FORMAT_VERSION
 
 
 @dataclass(frozen=True)
@@ -173,7 +177,7 @@ def plan_convert(source: SourceCheckpoint, options: ConvertOptions) -> ConvertPl
     }
     tied = {alias: owner for alias, owner in source.tied.items() if owner in params}
     manifest = CheckpointManifest(
-        format_version=options.format_version or layout_version(arrays),
+        format_version=options.format_version or layout_version(arrays, source.tensor_parallel),
         created_by=f"ucformat {__version__}",
         source=source.source,
         params=params,
