@@ -21,7 +21,6 @@ pickles and tensor bytes stay on disk (except tied params', read for the compari
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,6 +53,12 @@ from ucformat.sources.deepspeed.checkpoint import (
     _zero_stage,
 )
 from ucformat.sources.deepspeed.files import locate_tag_folder
+from ucformat.sources.deepspeed.pipeline_files import (
+    LAYER_FILE,
+    LAYER_TP_FILE,
+    MODEL_FILE,
+    optimizer_shards,
+)
 from ucformat.sources.deepspeed.pipeline_tp import (
     find_pipeline_tp_files,
     has_tp_layer_files,
@@ -65,13 +70,6 @@ from ucformat.sources.safe_unpickle import PicklePolicy
 from ucformat.sources.torchfile import TensorRef, TorchFile, open_torch_file
 
 __all__ = ["PipelineFiles", "find_pipeline_files", "is_pipeline_folder", "read_pipeline_checkpoint"]
-
-_MODEL = re.compile(r"^mp_rank_(?P<mp>\d+)_model_states\.pt$")
-_OPTIM = re.compile(
-    r"^(?P<prefix>bf16_|fp16_)?zero_pp_rank_(?P<dp>\d+)_mp_rank_(?P<mp>\d+)_optim_states\.pt$"
-)
-_LAYER = re.compile(r"^layer_(?P<layer>\d+)-model_states\.pt$")
-_LAYER_TP = re.compile(r"^layer_(?P<layer>\d+)-model_(?P<tp>\d+)-model_states\.pt$")
 
 
 @dataclass(frozen=True)
@@ -99,7 +97,7 @@ def is_pipeline_folder(src: Path, tag: str | None = None) -> bool:
         folder, _ = locate_tag_folder(Path(src), tag)
     except UCFormatError:
         return False
-    return any(_LAYER.match(p.name) or _LAYER_TP.match(p.name) for p in folder.iterdir())
+    return any(LAYER_FILE.match(p.name) or LAYER_TP_FILE.match(p.name) for p in folder.iterdir())
 
 
 def find_pipeline_files(folder: Path, tag: str) -> PipelineFiles:
@@ -112,14 +110,14 @@ def find_pipeline_files(folder: Path, tag: str) -> PipelineFiles:
         LayoutMismatchError: files from different runs are mixed.
     """
     names = sorted(p.name for p in folder.iterdir() if p.is_file())
-    tp_files = [n for n in names if _LAYER_TP.match(n)]
+    tp_files = [n for n in names if LAYER_TP_FILE.match(n)]
     if tp_files:
         raise UnsupportedCheckpointError(
             f"{folder / tp_files[0]}: pipeline layer files split by tensor parallelism "
             "(layer_*-model_*-model_states.pt); list them with find_pipeline_tp_files "
             "(read_pipeline_checkpoint does), not as a pipeline without tensor parallelism."
         )
-    models = {int(m["mp"]): n for n in names if (m := _MODEL.match(n))}
+    models = {int(m["mp"]): n for n in names if (m := MODEL_FILE.match(n))}
     if not models:
         raise NotACheckpointError(
             f"{folder}: layer files but no mp_rank_*_model_states.pt; not a complete DeepSpeed "
@@ -132,34 +130,19 @@ def find_pipeline_files(folder: Path, tag: str) -> PipelineFiles:
                 f"{folder / f'mp_rank_{stage:02d}_model_states.pt'}: missing; the folder has "
                 f"model states up to pipeline stage {stages - 1}."
             )
-    optim: dict[int, dict[int, str]] = {}
-    prefixes: set[str] = set()
-    for name in names:
-        if (match := _OPTIM.match(name)) is not None:
-            optim.setdefault(int(match["mp"]), {})[int(match["dp"])] = name
-            prefixes.add(match["prefix"] or "")
-    if not optim:
-        raise UnsupportedCheckpointError(
-            f"{folder}: pipeline checkpoint without *_optim_states.pt shards (ZeRO-0 in fp32: "
-            "each stage's optimizer state is saved by position, without parameter names or "
-            "param_shapes); ucformat reads pipeline checkpoints trained with ZeRO-1 or bf16."
-        )
-    if len(prefixes) > 1:
-        raise LayoutMismatchError(
-            f"{folder}: optimizer shards with different name prefixes ({sorted(prefixes)}); files "
-            "from different runs are mixed."
-        )
-    prefix = prefixes.pop()
-    dp = max(max(ranks) for ranks in optim.values()) + 1
-    for stage in range(max(stages, max(optim) + 1)):
-        for rank in range(dp):
-            if rank not in optim.get(stage, {}):
-                missing = f"{prefix}zero_pp_rank_{rank}_mp_rank_{stage:02d}_optim_states.pt"
-                raise SourceNotFoundError(
-                    f"{folder / missing}: missing; a pipeline of {stages} stages x {dp} "
-                    "data-parallel ranks has one optimizer shard per stage and rank."
-                )
-    layers = {int(m["layer"]): folder / n for n in names if (m := _LAYER.match(n))}
+    optim, dp = optimizer_shards(
+        folder,
+        names,
+        stages,
+        none_found="pipeline checkpoint without *_optim_states.pt shards (ZeRO-0 in fp32: "
+        "each stage's optimizer state is saved by position, without parameter names or "
+        "param_shapes); ucformat reads pipeline checkpoints trained with ZeRO-1 or bf16.",
+        layout=lambda dp: (
+            f"a pipeline of {stages} stages x {dp} data-parallel ranks has one "
+            "optimizer shard per stage and rank."
+        ),
+    )
+    layers = {int(m["layer"]): folder / n for n in names if (m := LAYER_FILE.match(n))}
     return PipelineFiles(
         folder=folder,
         tag=tag,

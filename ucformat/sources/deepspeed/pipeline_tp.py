@@ -35,6 +35,7 @@ from typing import Any
 from ucformat.errors import LayoutMismatchError, SourceNotFoundError, UnsupportedCheckpointError
 from ucformat.format.tensor_parallel import TensorParallelInfo
 from ucformat.layout.tensor_parallel import Piece, split_pieces
+from ucformat.sources.deepspeed.pipeline_files import LAYER_TP_FILE, MODEL_FILE, optimizer_shards
 from ucformat.sources.deepspeed.states import FlatStates
 from ucformat.sources.deepspeed.tensor_parallel import merge_tensor_parallel
 from ucformat.sources.torchfile import TorchFile
@@ -46,11 +47,6 @@ __all__ = [
     "merge_pipeline_tp",
 ]
 
-_MODEL = re.compile(r"^mp_rank_(?P<mp>\d+)_model_states\.pt$")
-_OPTIM = re.compile(
-    r"^(?P<prefix>bf16_|fp16_)?zero_pp_rank_(?P<dp>\d+)_mp_rank_(?P<mp>\d+)_optim_states\.pt$"
-)
-_LAYER_TP = re.compile(r"^layer_(?P<layer>\d+)-model_(?P<tp>\d+)-model_states\.pt$")
 
 #: The ``universal_checkpoint_info`` lists this reader applies.
 REPLICATED = "tp_replicated_parameter_patterns"
@@ -96,7 +92,7 @@ class PipelineTPFiles:
 
 def has_tp_layer_files(folder: Path) -> bool:
     """Whether ``folder`` holds ``layer_XX-model_YY-model_states.pt`` files."""
-    return any(_LAYER_TP.match(p.name) for p in folder.iterdir())
+    return any(LAYER_TP_FILE.match(p.name) for p in folder.iterdir())
 
 
 def find_pipeline_tp_files(folder: Path, tag: str) -> PipelineTPFiles:
@@ -108,9 +104,9 @@ def find_pipeline_tp_files(folder: Path, tag: str) -> PipelineTPFiles:
         LayoutMismatchError: files from different runs are mixed.
     """
     names = sorted(p.name for p in folder.iterdir() if p.is_file())
-    layer_names = [n for n in names if _LAYER_TP.match(n)]
-    degree = max(int(m["tp"]) for n in layer_names if (m := _LAYER_TP.match(n))) + 1
-    models = {int(m["mp"]): n for n in names if (m := _MODEL.match(n))}
+    layer_names = [n for n in names if LAYER_TP_FILE.match(n)]
+    degree = max(int(m["tp"]) for n in layer_names if (m := LAYER_TP_FILE.match(n))) + 1
+    models = {int(m["mp"]): n for n in names if (m := MODEL_FILE.match(n))}
     ranks = max(models, default=-1) + 1
     if ranks == 0 or ranks % degree:
         raise LayoutMismatchError(
@@ -123,32 +119,16 @@ def find_pipeline_tp_files(folder: Path, tag: str) -> PipelineTPFiles:
                 f"{folder / f'mp_rank_{mp:02d}_model_states.pt'}: missing; the folder has "
                 f"model states up to mp rank {ranks - 1}."
             )
-    optim: dict[int, dict[int, str]] = {}
-    prefixes = set()
-    for name in names:
-        if (match := _OPTIM.match(name)) is not None:
-            optim.setdefault(int(match["mp"]), {})[int(match["dp"])] = name
-            prefixes.add(match["prefix"] or "")
-    if not optim:
-        raise UnsupportedCheckpointError(
-            f"{folder}: pipeline x tensor-parallel checkpoint without *_optim_states.pt shards "
-            "(ZeRO-0 in fp32); ucformat reads them trained with ZeRO-1."
-        )
-    if len(prefixes) > 1:
-        raise LayoutMismatchError(
-            f"{folder}: optimizer shards with different name prefixes ({sorted(prefixes)}); files "
-            "from different runs are mixed."
-        )
-    prefix = prefixes.pop()
-    dp = max(max(r) for r in optim.values()) + 1
-    for mp in range(ranks):
-        for rank in range(dp):
-            if rank not in optim.get(mp, {}):
-                missing = f"{prefix}zero_pp_rank_{rank}_mp_rank_{mp:02d}_optim_states.pt"
-                raise SourceNotFoundError(
-                    f"{folder / missing}: missing; one optimizer shard per (stage, model rank) "
-                    f"and each of {dp} data-parallel ranks."
-                )
+    optim, dp = optimizer_shards(
+        folder,
+        names,
+        ranks,
+        none_found="pipeline x tensor-parallel checkpoint without *_optim_states.pt shards "
+        "(ZeRO-0 in fp32); ucformat reads them trained with ZeRO-1.",
+        layout=lambda dp: (
+            f"one optimizer shard per (stage, model rank) and each of {dp} data-parallel ranks."
+        ),
+    )
     stages = ranks // degree
     return PipelineTPFiles(
         folder=folder,
