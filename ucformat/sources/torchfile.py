@@ -42,7 +42,7 @@ from ucformat.sysio.fileio import preadv_all
 if TYPE_CHECKING:  # reading a checkpoint needs no torch; only materialising a tensor does
     import torch
 
-__all__ = ["TensorRef", "TorchFile", "open_embedded_torch_file", "open_torch_file"]
+__all__ = ["OpenedFiles", "TensorRef", "TorchFile", "open_embedded_torch_file", "open_torch_file"]
 
 _LOCAL_HEADER = struct.Struct("<4sHHHHHIIIHH")
 _LOCAL_HEADER_MAGIC = b"PK\x03\x04"
@@ -414,3 +414,29 @@ def _check_byteorder(
             f"{path}: big-endian torch files are not supported (byteorder "
             f"{archive.read(name).decode(errors='replace')!r})."
         )
+
+
+class OpenedFiles:
+    """The torch files one reader opens, closed together (the reader's ``close`` on failure).
+
+    >>> files = OpenedFiles(None, check_crc=False)
+    >>> files.handles, files.close()
+    ([], None)
+    """
+
+    def __init__(self, policy: PicklePolicy | None, *, check_crc: bool) -> None:
+        self.policy = policy
+        self.check_crc = check_crc
+        #: Every file opened so far, in order.
+        self.handles: list[TorchFile] = []
+
+    def open(self, path: Path) -> TorchFile:
+        """Open ``path`` as :func:`open_torch_file` does and keep its handle."""
+        handle = open_torch_file(path, self.policy, check_crc=self.check_crc)
+        self.handles.append(handle)
+        return handle
+
+    def close(self) -> None:
+        """Close every file opened so far."""
+        for handle in self.handles:
+            handle.close()

@@ -57,7 +57,7 @@ from ucformat.sources.deepspeed.tensor_parallel import (
 )
 from ucformat.sources.reading import describing
 from ucformat.sources.safe_unpickle import PicklePolicy, StandIn
-from ucformat.sources.torchfile import TensorRef, TorchFile, open_torch_file
+from ucformat.sources.torchfile import OpenedFiles, TensorRef, TorchFile, open_torch_file
 
 __all__ = ["read_deepspeed_checkpoint"]
 
@@ -99,24 +99,15 @@ def read_deepspeed_checkpoint(
     except UnsupportedCheckpointError:
         _check_model_file(folder, policy)  # a random .pt is "not DeepSpeed", not "unsupported"
         raise
-    handles: list[TorchFile] = []
-    with describing(folder, "the shard files", "a supported DeepSpeed", lambda: _close(handles)):
-        models = [_open(p, policy, handles, check_crc) for p in files.model_files]
-        optim = [_open(p, policy, handles, check_crc) for p in files.optim_files]
+    opened = OpenedFiles(policy, check_crc=check_crc)
+    with describing(folder, "the shard files", "a supported DeepSpeed", opened.close):
+        models = [opened.open(p) for p in files.model_files]
+        optim = [opened.open(p) for p in files.optim_files]
         others = [
-            (
-                [_open(p, policy, handles, check_crc) for p in f.model_files],
-                [_open(p, policy, handles, check_crc) for p in f.optim_files],
-            )
+            ([opened.open(p) for p in f.model_files], [opened.open(p) for p in f.optim_files])
             for f in by_rank[1:]
         ]
-        opener = lambda path: _open(path, policy, handles, check_crc)  # noqa: E731
-        return _describe(files, models, optim, handles, opener, others)
-
-
-def _close(handles: list[TorchFile]) -> None:
-    for handle in handles:
-        handle.close()
+        return _describe(files, models, optim, opened.handles, opened.open, others)
 
 
 def _check_model_file(folder: Path, policy: PicklePolicy | None) -> None:
@@ -126,14 +117,6 @@ def _check_model_file(folder: Path, policy: PicklePolicy | None) -> None:
             with open_torch_file(folder / name, policy) as handle:
                 _model_meta(handle)
             return
-
-
-def _open(
-    path: Path, policy: PicklePolicy | None, handles: list[TorchFile], check_crc: bool
-) -> TorchFile:
-    handle = open_torch_file(path, policy, check_crc=check_crc)
-    handles.append(handle)
-    return handle
 
 
 def _model_meta(handle: TorchFile) -> Mapping[str, Any]:

@@ -67,7 +67,7 @@ from ucformat.sources.deepspeed.pipeline_tp import (
 from ucformat.sources.deepspeed.states import FlatStates, read_zero12_states
 from ucformat.sources.reading import describing
 from ucformat.sources.safe_unpickle import PicklePolicy
-from ucformat.sources.torchfile import TensorRef, TorchFile, open_torch_file
+from ucformat.sources.torchfile import OpenedFiles, TensorRef, TorchFile
 
 __all__ = ["PipelineFiles", "find_pipeline_files", "is_pipeline_folder", "read_pipeline_checkpoint"]
 
@@ -172,34 +172,24 @@ def read_pipeline_checkpoint(
     if has_tp_layer_files(folder):  # layer_XX-model_YY: tensor parallel (.pipeline_tp)
         return _read_tensor_parallel(folder, tag_name, policy, check_crc)
     files = find_pipeline_files(folder, tag_name)
-    handles: list[TorchFile] = []
-
-    def opened(path: Path) -> TorchFile:
-        handle = open_torch_file(path, policy, check_crc=check_crc)
-        handles.append(handle)
-        return handle
-
-    with describing(folder, "the pipeline files", "a supported DeepSpeed", lambda: _close(handles)):
-        models = [opened(p) for p in files.model_files]
-        optim = [[opened(p) for p in stage] for stage in files.optim_files]
-        layers = {index: opened(p) for index, p in sorted(files.layer_files.items())}
-        return _describe(files, models, optim, layers, handles)
+    opened = OpenedFiles(policy, check_crc=check_crc)
+    with describing(folder, "the pipeline files", "a supported DeepSpeed", opened.close):
+        models = [opened.open(p) for p in files.model_files]
+        optim = [[opened.open(p) for p in stage] for stage in files.optim_files]
+        layers = {index: opened.open(p) for index, p in sorted(files.layer_files.items())}
+        return _describe(files, models, optim, layers, opened.handles)
 
 
 def _read_tensor_parallel(
     folder: Path, tag: str, policy: PicklePolicy | None, check_crc: bool
 ) -> SourceCheckpoint:
     tp_files = find_pipeline_tp_files(folder, tag)
-    handles: list[TorchFile] = []
-
-    def opened(path: Path) -> TorchFile:
-        handle = open_torch_file(path, policy, check_crc=check_crc)
-        handles.append(handle)
-        return handle
-
-    with describing(folder, "the pipeline files", "a supported DeepSpeed", lambda: _close(handles)):
-        models = [[opened(p) for p in stage] for stage in tp_files.model_files]
-        optim = [[[opened(p) for p in ranks] for ranks in stage] for stage in tp_files.optim_files]
+    opened = OpenedFiles(policy, check_crc=check_crc)
+    with describing(folder, "the pipeline files", "a supported DeepSpeed", opened.close):
+        models = [[opened.open(p) for p in stage] for stage in tp_files.model_files]
+        optim = [
+            [[opened.open(p) for p in ranks] for ranks in stage] for stage in tp_files.optim_files
+        ]
         metas = [[_model_meta(h) for h in stage] for stage in models]
         flats, tensor_parallel = merge_pipeline_tp(tp_files, metas, optim)
         files = PipelineFiles(
@@ -210,12 +200,9 @@ def _read_tensor_parallel(
             layer_files={},
         )
         first = [stage[0] for stage in optim]
-        return _assemble(files, [m[0] for m in metas], flats, first, {}, handles, tensor_parallel)
-
-
-def _close(handles: list[TorchFile]) -> None:
-    for handle in handles:
-        handle.close()
+        return _assemble(
+            files, [m[0] for m in metas], flats, first, {}, opened.handles, tensor_parallel
+        )
 
 
 def _check_stage_meta(
