@@ -1,5 +1,5 @@
 """``python -m ucformat_cli``: the ``ucformat`` command (what ``torchrun -m ucformat_cli`` runs)."""
 
-from ucformat_cli.main import app
+from ucformat_cli._entry import run
 
-app(prog_name="ucformat")
+run()

@@ -20,6 +20,14 @@ USER_ERROR = 2
 
 stderr = Console(stderr=True, highlight=False, soft_wrap=True)
 
+#: Where the running command is: "running", "finished" or "interrupted" (empty: not started).
+_PHASE: list[str] = []
+
+
+def command_phase() -> str:
+    """Where the command is: "", "running", "finished" or "interrupted" (for the entry point)."""
+    return _PHASE[-1] if _PHASE else ""
+
 
 def fail(message: str) -> typer.Exit:
     """Print ``error: message`` on stderr and return the exit to raise."""
@@ -41,6 +49,7 @@ def interruptible(
     def decorate(command: Callable[P, R]) -> Callable[P, R]:
         @functools.wraps(command)
         def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+            _PHASE.append("running")
             try:
                 return command(*args, **kwargs)
             except UCFormatError as exc:  # the library names its keyword; the CLI its option
@@ -54,9 +63,13 @@ def interruptible(
                     "read less at a time (e.g. a slice or one parameter)."
                 ) from None
             except KeyboardInterrupt:
+                _PHASE.append("interrupted")
                 said = on_interrupt(dict(kwargs)) if on_interrupt is not None else ""
                 stderr.print(f"interrupted: {said}" if said else "interrupted", markup=False)
                 raise typer.Exit(code=130) from None
+            finally:
+                if _PHASE[-1] == "running":
+                    _PHASE.append("finished")
 
         return wrapper
 
