@@ -13,9 +13,8 @@ from math import ceil, prod
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ucformat.layout.chunking import ChunkPolicy, choose_chunking
+from ucformat.layout.chunking import ChunkPolicy, aligned_chunking, choose_chunking
 from ucformat.layout.dtensor import (
-    aligned_chunking,
     local_flat_range,
     local_rows,
     owners,

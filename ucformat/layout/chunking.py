@@ -29,6 +29,8 @@ over-read at partition boundaries), ``shard_bytes`` the number of storage object
 from __future__ import annotations
 
 import functools
+import itertools
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -38,10 +40,12 @@ from ucformat.layout.ranges import chunk_cover
 __all__ = [
     "ChunkPolicy",
     "Chunking",
+    "aligned_chunking",
     "box_chunk_shape",
     "choose_chunking",
     "chunk_aligned_range",
     "flat_block_shape",
+    "fragment_rows",
     "is_flat_chunking",
     "shard_block",
 ]
@@ -334,3 +338,78 @@ def chunk_aligned_range(
         low = min(low, _flat(shape, [piece.start for piece in box]))
         high = max(high, _flat(shape, [piece.stop - 1 for piece in box]) + 1)
     return low, high
+
+
+def _largest_divisor(value: int, limit: int) -> int:
+    """The largest divisor of ``value`` (> 0) that is at most ``limit`` (at least 1)."""
+    best = 1
+    for candidate in range(1, math.isqrt(value) + 1):
+        if value % candidate == 0:
+            for d in (candidate, value // candidate):
+                if best < d <= limit:
+                    best = d
+    return best
+
+
+#: An aligned chunk is used only if it holds at least this fraction of the policy's chunk.
+MIN_ALIGNED_FRACTION = 4
+
+
+def aligned_chunking(
+    shape: Sequence[int], itemsize: int, policy: ChunkPolicy, row_boundaries: Sequence[int]
+) -> Chunking:
+    """Chunk and shard shapes whose dim-0 boundaries include every row in ``row_boundaries``.
+
+    With aligned shards no store shard straddles two holders, so each is written by the rank
+    holding it, from its own memory (FSDP2 row shards, ZeRO-3 partitions:
+    :func:`fragment_rows`). The chunk keeps the policy's shape (flat-contiguous or box:
+    :func:`~ucformat.layout.chunking.choose_chunking`) with its dim-0 rows cut down to a
+    divisor of the boundaries; if that leaves chunks smaller than a quarter of the policy's
+    target, the policy's own chunking is returned (some shards then straddle owners).
+
+    >>> aligned_chunking((1024, 1024), 4, ChunkPolicy(65536, 1 << 24), [512]).shard_shape
+    (512, 1024)
+    """
+    default = choose_chunking(shape, itemsize, policy)
+    inner = [b for b in row_boundaries if 0 < b < (shape[0] if shape else 0)]
+    if not shape or not inner or math.prod(shape) == 0:
+        return default
+    step = math.gcd(*inner)
+    chunk = list(default.chunk_shape)
+    if chunk[0] > 1:  # a chunk spans several rows: make its rows divide the boundaries
+        rows = _largest_divisor(step, chunk[0])
+        if rows * MIN_ALIGNED_FRACTION < chunk[0]:
+            return default
+        chunk[0] = rows
+    block = list(shard_block(shape, chunk, itemsize, policy.shard_bytes))
+    if block[0] > 1:  # a shard spans several chunk rows: the same for shards
+        block[0] = _largest_divisor(step // chunk[0], block[0])
+    return Chunking(tuple(chunk), tuple(b * c for b, c in zip(block, chunk, strict=True)))
+
+
+def fragment_rows(
+    shape: Sequence[int], itemsize: int, policy: ChunkPolicy, starts: Sequence[int]
+) -> list[int] | None:
+    """The row boundaries of an array's source fragments (flat ``starts``), where shards can
+    follow them: every start falls on a whole row and every piece between two boundaries holds
+    at least one chunk target of bytes. None otherwise (shards then keep the policy's shape and
+    may straddle fragments).
+
+    >>> fragment_rows((1024, 256), 4, ChunkPolicy(), [0, 65536, 131072, 196608])
+    [256, 512, 768]
+    >>> fragment_rows((1024, 256), 4, ChunkPolicy(), [0, 65000]) is None  # not a whole row
+    True
+    >>> fragment_rows((768,), 4, ChunkPolicy(), [0, 192, 384, 576]) is None  # pieces too small
+    True
+    """
+    dims = tuple(shape)
+    if not dims or math.prod(dims) == 0:
+        return None
+    row = math.prod(dims[1:])
+    cuts = sorted({start for start in starts if 0 < start < math.prod(dims)})
+    if not cuts or any(start % row for start in cuts):
+        return None
+    edges = [0, *cuts, math.prod(dims)]
+    if min(b - a for a, b in itertools.pairwise(edges)) * itemsize < policy.chunk_bytes:
+        return None
+    return [start // row for start in cuts]

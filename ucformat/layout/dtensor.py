@@ -13,10 +13,10 @@ described by :mod:`ucformat.layout.placements`, which ``ucformat.torch`` uses fo
 placement; the functions here stay the FSDP2-only special case.
 
 For writing a store from live shards (``ucformat.torch.save``), :func:`owners` lists which rank
-holds each flat range (one replica each), :func:`aligned_chunking` picks chunk and shard shapes
-whose boundaries fall on the owners' boundaries when that keeps chunks reasonably large (who
-writes each shard is :mod:`ucformat.layout.ownership`'s rule). Everything here is integer
-arithmetic on plain data.
+holds each flat range (one replica each), :func:`ucformat.layout.chunking.aligned_chunking`
+picks chunk and shard shapes whose boundaries fall on the owners' boundaries when that keeps
+chunks reasonably large (who writes each shard is :mod:`ucformat.layout.ownership`'s rule).
+Everything here is integer arithmetic on plain data.
 """
 
 from __future__ import annotations
@@ -25,12 +25,10 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ucformat.layout.chunking import Chunking, ChunkPolicy, choose_chunking, shard_block
 from ucformat.layout.partition import ceil_div
 
 __all__ = [
     "Owner",
-    "aligned_chunking",
     "local_flat_range",
     "local_rows",
     "owners",
@@ -152,49 +150,3 @@ def owners(
             if start < stop:
                 found.append(Owner(rank, start, stop))
     return sorted(found, key=lambda owner: owner.start)
-
-
-def _largest_divisor(value: int, limit: int) -> int:
-    """The largest divisor of ``value`` (> 0) that is at most ``limit`` (at least 1)."""
-    best = 1
-    for candidate in range(1, math.isqrt(value) + 1):
-        if value % candidate == 0:
-            for d in (candidate, value // candidate):
-                if best < d <= limit:
-                    best = d
-    return best
-
-
-#: An aligned chunk is used only if it holds at least this fraction of the policy's chunk.
-MIN_ALIGNED_FRACTION = 4
-
-
-def aligned_chunking(
-    shape: Sequence[int], itemsize: int, policy: ChunkPolicy, row_boundaries: Sequence[int]
-) -> Chunking:
-    """Chunk and shard shapes whose dim-0 boundaries include every row in ``row_boundaries``.
-
-    With aligned shards no store shard straddles two owners, so each is written by the rank
-    holding it, from its own memory. The chunk keeps the policy's shape (flat-contiguous or box:
-    :func:`~ucformat.layout.chunking.choose_chunking`) with its dim-0 rows cut down to a
-    divisor of the boundaries; if that leaves chunks smaller than a quarter of the policy's
-    target, the policy's own chunking is returned (some shards then straddle owners).
-
-    >>> aligned_chunking((1024, 1024), 4, ChunkPolicy(65536, 1 << 24), [512]).shard_shape
-    (512, 1024)
-    """
-    default = choose_chunking(shape, itemsize, policy)
-    inner = [b for b in row_boundaries if 0 < b < (shape[0] if shape else 0)]
-    if not shape or not inner or math.prod(shape) == 0:
-        return default
-    step = math.gcd(*inner)
-    chunk = list(default.chunk_shape)
-    if chunk[0] > 1:  # a chunk spans several rows: make its rows divide the boundaries
-        rows = _largest_divisor(step, chunk[0])
-        if rows * MIN_ALIGNED_FRACTION < chunk[0]:
-            return default
-        chunk[0] = rows
-    block = list(shard_block(shape, chunk, itemsize, policy.shard_bytes))
-    if block[0] > 1:  # a shard spans several chunk rows: the same for shards
-        block[0] = _largest_divisor(step // chunk[0], block[0])
-    return Chunking(tuple(chunk), tuple(b * c for b, c in zip(block, chunk, strict=True)))

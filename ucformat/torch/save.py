@@ -14,7 +14,7 @@ same write engine as ``ucformat.deepspeed.save`` (:mod:`ucformat.write.spread`):
    :class:`~ucformat.write.spread.RemoteTensor`;
 2. plan the store with the converter's planner (:func:`ucformat.write.plan.plan_convert`),
    chunked so shards end on owner boundaries where chunks stay large
-   (:func:`~ucformat.layout.dtensor.aligned_chunking`);
+   (:func:`~ucformat.layout.chunking.aligned_chunking`);
 3. give every store shard one writer by :mod:`ucformat.layout.ownership`'s rule (the rank
    holding most of it) and write: the bytes a writer lacks come over the bounded all-to-all
    exchange, rank 0 commits the manifest once every rank agreed
@@ -56,8 +56,7 @@ from ucformat.format.spec import (
     state_array_path,
 )
 from ucformat.format.training_values import encode_client_state, encode_exact
-from ucformat.layout.chunking import Chunking
-from ucformat.layout.dtensor import aligned_chunking
+from ucformat.layout.chunking import Chunking, aligned_chunking
 from ucformat.sources.base import (
     ArraySource,
     FragmentTensor,

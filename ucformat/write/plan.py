@@ -4,8 +4,10 @@
 :class:`ConvertPlan`:
 
 1. one :class:`~ucformat.format.models.ArrayRef` per (parameter, state) and per buffer, with chunk
-   and
-   shard shapes from :func:`~ucformat.layout.chunking.choose_chunking`;
+   and shard shapes from :func:`~ucformat.layout.chunking.choose_chunking`, or, for a DeepSpeed
+   ZeRO-3 source, with shards on the ranks' partition boundaries where those fall on whole rows
+   (:func:`~ucformat.layout.chunking.fragment_rows`): each such shard has one holder, so a live
+   save moves none of its bytes between ranks;
 2. a proof that every array's source fragments tile it exactly (no hole, overlap or overflow);
 3. one :class:`WriteUnit` per shard: the shard's region and the :class:`CopyItem` runs that fill
    it. Shards are flat-contiguous, so a unit is a flat range of the array, and each unit is
@@ -35,7 +37,14 @@ from ucformat.format.spec import (
     state_array_path,
 )
 from ucformat.format.tensor_parallel import TensorParallelInfo
-from ucformat.layout.chunking import Chunking, ChunkPolicy, choose_chunking, is_flat_chunking
+from ucformat.layout.chunking import (
+    Chunking,
+    ChunkPolicy,
+    aligned_chunking,
+    choose_chunking,
+    fragment_rows,
+    is_flat_chunking,
+)
 from ucformat.layout.ranges import check_tiling
 from ucformat.sources.base import ArraySource, SourceCheckpoint, SourceFragment
 
@@ -124,12 +133,13 @@ def plan_convert(source: SourceCheckpoint, options: ConvertOptions) -> ConvertPl
     """Plan the conversion of ``source``; raises CoverageError if any array would have a hole."""
     arrays: list[ArrayRef] = []
     sources: list[ArraySource] = []
+    partitioned = source.source.framework == "deepspeed" and source.source.zero_stage == 3
 
     def add(path: str, array: ArraySource, what: str) -> ArrayRef:
         check_tiling(what, array.numel, ((f.start, f.start + f.length) for f in array.fragments))
         chunking = options.layouts.get(path)
         if chunking is None or len(chunking.chunk_shape) != len(array.shape):
-            chunking = choose_chunking(array.shape, itemsize(array.dtype), options.policy)
+            chunking = _chunking(array, options.policy, partitioned)
         ref = ArrayRef(
             path=path,
             dtype=array.dtype,  # type: ignore[arg-type]
@@ -196,6 +206,20 @@ def plan_convert(source: SourceCheckpoint, options: ConvertOptions) -> ConvertPl
         for unit in _units(index, ref, array)
     )
     return ConvertPlan(tuple(arrays), units, manifest)
+
+
+def _chunking(array: ArraySource, policy: ChunkPolicy, partitioned: bool) -> Chunking:
+    """The policy's chunking; for ZeRO-3 partitions (``partitioned``), shards on their row
+    boundaries where :func:`~ucformat.layout.chunking.fragment_rows` finds them."""
+    size = itemsize(array.dtype)
+    rows = (
+        fragment_rows(array.shape, size, policy, [f.start for f in array.fragments])
+        if partitioned
+        else None
+    )
+    if rows is None:
+        return choose_chunking(array.shape, size, policy)
+    return aligned_chunking(array.shape, size, policy, rows)
 
 
 def _format_states(arrays: Mapping[str, ArraySource], legacy: bool) -> Mapping[str, ArraySource]:
