@@ -63,10 +63,11 @@ def add_unknown_members(document: dict[str, Any]) -> None:
     document["client_state"]["future_client"] = {}
 
 
-def future_store(name: str, version: str, tmp_path: Path) -> Path:
-    """A copy of golden store ``name`` as a writer of format ``version`` would write it."""
+def future_store(name: str, version: str, tmp_path: Path, original: Path | None = None) -> Path:
+    """A copy of golden store ``name`` (or of the store ``original``) as a writer of format
+    ``version`` would write it."""
     path = tmp_path / f"{name}-{version}"
-    shutil.copytree(GOLDEN / name, path)
+    shutil.copytree(original or GOLDEN / name, path)
     document = json.loads((path / "ucformat.json").read_text())
     document["format_version"] = version
     add_unknown_members(document)
@@ -133,12 +134,33 @@ def test_future_minor_reads_like_the_original(name: str, version: str, tmp_path:
         assert all(same(state[k], b["optimizer"][index][k]) for k in state)
 
 
+def _problems(report: ucformat.VerifyReport) -> list[tuple[str, str, str]]:
+    return [(p.kind, p.path, p.message) for p in report.problems]
+
+
+def _reproduces(golden: str, source: Path) -> bool:
+    """Whether the regenerated DeepSpeed checkpoint is the one golden store ``golden`` was
+    converted from: DeepSpeed's training numerics depend on the machine's CPU kernels (the
+    golden stores were made on one machine), so a checkpoint regenerated on another may differ
+    in the last bits."""
+    return ucformat.verify(GOLDEN / golden, against=source).ok
+
+
 @pytest.mark.deepspeed
 def test_future_minor_verifies_against_its_source(ds_grid: Path, tmp_path: Path) -> None:
+    """verify --against reports the same of a future store as of the original: nothing where
+    this machine regenerates the golden's source bit for bit, else the same differences; a
+    future store of a fresh convert of the regenerated source passes."""
     source = ds_grid / SOURCE_CASE / "ckpt"
     for name, version in ((CURRENT, "2.9"), (LEGACY, "1.7")):
-        report = ucformat.verify(future_store(name, version, tmp_path), against=source)
-        assert report.ok, (name, report.problems)
+        future = ucformat.verify(future_store(name, version, tmp_path), against=source)
+        original = ucformat.verify(GOLDEN / name, against=source)
+        assert _problems(future) == _problems(original), name
+        assert future.arrays == original.arrays > 0
+    ucformat.convert(source, tmp_path / "fresh.ucf")
+    fresh = future_store("fresh", "2.9", tmp_path, tmp_path / "fresh.ucf")
+    report = ucformat.verify(fresh, against=source)
+    assert report.ok, report.problems
 
 
 def test_unknown_members_are_digested(tmp_path: Path) -> None:
@@ -176,7 +198,18 @@ def test_future_minor_loads_into_deepspeed(ds_grid: Path, tmp_path: Path) -> Non
     from tests.fixtures.make_fixtures import launch_jobs
     from tests.fixtures.run_loads import LOAD_WORKER
 
-    stores = [future_store(CURRENT, "2.9", tmp_path), future_store(LEGACY, "1.7", tmp_path)]
+    source = ds_grid / SOURCE_CASE / "ckpt"
+    # the truth is the regenerated run's: where this machine does not regenerate the golden
+    # stores' source bit for bit (_reproduces), the 2.9 store is a fresh convert's and the
+    # 1.7 store (no writer of format 1 is left) is not loaded
+    current = GOLDEN / CURRENT
+    if not _reproduces(CURRENT, source):
+        current = tmp_path / "fresh.ucf"
+        ucformat.convert(source, current)
+    stores = [(future_store(CURRENT, "2.9", tmp_path, current), 3)]
+    legacy = _reproduces(LEGACY, source)
+    if legacy:
+        stores.append((future_store(LEGACY, "1.7", tmp_path), 1))
     jobs = [
         {
             "load": LoadCase(SOURCE_CASE, 2, stage).to_dict(),
@@ -184,9 +217,14 @@ def test_future_minor_loads_into_deepspeed(ds_grid: Path, tmp_path: Path) -> Non
             "truth": str(ds_grid / SOURCE_CASE / "truth.pt"),
             "result": str(tmp_path / f"{store.name}-z{stage}.json"),
         }
-        for store, stage in zip(stores, (3, 1), strict=True)
+        for store, stage in stores
     ]
     launch_jobs(LOAD_WORKER, 2, jobs, tmp_path / "logs", "future", 420.0)
     for job in jobs:
         result = json.loads(Path(job["result"]).read_text())
         assert result["failures"] == [], (job["store"], result["failures"])
+    if not legacy:
+        pytest.skip(
+            "the 2.9 store loaded; the 1.7 golden store was not loaded: this machine's "
+            f"regenerated {SOURCE_CASE} differs from the one it was converted from (CPU kernels)"
+        )
