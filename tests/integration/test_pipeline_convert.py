@@ -26,7 +26,8 @@ pytestmark = pytest.mark.deepspeed
 CONVERTIBLE = [
     c.name for c in CASES if not c.tied_bias and c.mp == 1 and (c.stage == 1 or c.dtype == "bf16")
 ]
-#: ds_to_universal fails on ZeRO-0 pipelines ("param_shapes must contain dictionaries"), and on
+#: ds_to_universal fails on ZeRO-0 pipelines (bf16: "param_shapes must contain dictionaries";
+#: fp16: ``FileNotFoundError: can't find *_optim_states.pt files``), and on
 #: the pp4 one (``ZeroDivisionError`` in ``_build_transformer_file_map``: its last stage holds
 #: only the tied head, no layer file).
 UNIVERSAL = [c for c in CONVERTIBLE if by_name(c).stage == 1 and by_name(c).pp < 4]
