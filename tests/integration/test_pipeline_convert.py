@@ -1,4 +1,5 @@
-"""DeepSpeed PipelineModule checkpoints (pp2 x dp1/dp2 and pp4, ZeRO-0/1, fp32/bf16, tied or not),
+"""DeepSpeed PipelineModule checkpoints (pp2 x dp1/dp2 and pp4, ZeRO-0/1, fp32/fp16/bf16, tied or
+not),
 made by DeepSpeed itself, converted by ``ucformat.convert`` and compared array by array with
 DeepSpeed's own ``ds_to_universal`` output (ZeRO-1; it fails on ZeRO-0 ``BF16_Optimizer``
 pipelines, whose model states have no ``param_shapes``) and with the training job's own
@@ -21,10 +22,12 @@ from ucformat.format.summary import summarize
 pytestmark = pytest.mark.deepspeed
 
 #: Tensor-parallel cases (``mp > 1``): tests/integration/test_pipeline_tp.py.
+#: ZeRO-0 pipelines are read in bf16 only (BF16_Optimizer's shards); fp32 and fp16 are refused.
 CONVERTIBLE = [
-    c.name for c in CASES if not c.tied_bias and (c.stage, c.dtype) != (0, "fp32") and c.mp == 1
+    c.name for c in CASES if not c.tied_bias and c.mp == 1 and (c.stage == 1 or c.dtype == "bf16")
 ]
-#: ds_to_universal fails on ZeRO-0 pipelines ("param_shapes must contain dictionaries"), and on
+#: ds_to_universal fails on ZeRO-0 pipelines (bf16: "param_shapes must contain dictionaries";
+#: fp16: ``FileNotFoundError: can't find *_optim_states.pt files``), and on
 #: the pp4 one (``ZeroDivisionError`` in ``_build_transformer_file_map``: its last stage holds
 #: only the tied head, no layer file).
 UNIVERSAL = [c for c in CONVERTIBLE if by_name(c).stage == 1 and by_name(c).pp < 4]
@@ -159,7 +162,38 @@ def test_fp32_zero0_pipelines_are_refused_in_one_line(
     )
 
 
-@pytest.mark.parametrize("case", ["pp2dp2-z1-bf16-tied", "pp2dp1-z1-bf16"])
+def test_fp16_zero0_pipelines_are_refused_in_one_line_naming_the_file(
+    pipeline_cases: dict[str, Path], tmp_path: Path
+) -> None:
+    # FP16_UnfusedOptimizer (torch AdamW under fp16, no ZeRO): fp32 masters and Adam moments
+    # in each stage's model states, by position; no optimizer shards.
+    folder = pipeline_cases["pp2dp1-z0-fp16-tied"] / "ckpt" / "step3"
+    assert not list(folder.glob("*optim_states.pt"))
+    with pytest.raises(UnsupportedCheckpointError) as info:
+        ucformat.convert(folder.parent, tmp_path / "s")
+    assert str(info.value) == (
+        f"{folder / 'mp_rank_00_model_states.pt'}: ZeRO-0 in fp16 (FP16_UnfusedOptimizer): each "
+        "stage's fp32 master weights and Adam moments are saved in its model-states 'optimizer' "
+        "entry by position (fp32_groups, optimizer_state_dict), without parameter names or "
+        'param_shapes; ucformat reads fp16 pipelines trained with ZeRO-1 ("zero_optimization": '
+        '{"stage": 1}).'
+    )
+    assert not (tmp_path / "s" / "ucformat.json").exists()
+
+
+def test_fp16_pipeline_records_its_loss_scaler(
+    pipeline_cases: dict[str, Path], tmp_path: Path
+) -> None:
+    manifest = ucformat.convert(pipeline_cases["pp2dp2-z1-fp16"] / "ckpt", tmp_path / "store")
+    assert manifest.source.train_dtype == "float16"
+    assert manifest.source.optimizer_wrapper == "DeepSpeedZeroOptimizer"
+    scaler = manifest.progress.loss_scaler
+    assert scaler is not None and scaler.class_name == "DynamicLossScaler"
+    assert scaler.cur_scale == 2.0**8  # initial_scale_power 8, no overflow, no growth yet
+    assert scaler.attributes["cur_iter"] == 3
+
+
+@pytest.mark.parametrize("case", ["pp2dp2-z1-bf16-tied", "pp2dp1-z1-bf16", "pp2dp1-z1-fp16-tied"])
 def test_pipeline_store_loads_into_a_plain_torch_model(
     case: str, pipeline_cases: dict[str, Path], tmp_path: Path
 ) -> None:

@@ -22,6 +22,11 @@ pytestmark = pytest.mark.deepspeed
 #: (``'NoneType' object has no attribute 'get_model_parallel_rank'``).
 LOADS: tuple[tuple[str, str, int, int, bool], ...] = (
     ("bf16-pp2dp1-to-plain-dp2", "pp2dp1-z1-bf16", 0, 2, True),
+    ("fp16-pp2dp2-to-plain-dp2", "pp2dp2-z1-fp16", 0, 2, True),
+    ("fp16-tied-pp2dp1-to-pp1dp2", "pp2dp1-z1-fp16-tied", 1, 2, True),
+    ("fp16-pp2dp2-to-pp2dp1", "pp2dp2-z1-fp16", 2, 1, True),
+    ("fp16-pp2dp2-to-pp1dp2", "pp2dp2-z1-fp16", 1, 2, True),
+    ("fp16-tied-pp2dp1-to-pp4dp1", "pp2dp1-z1-fp16-tied", 4, 1, True),
     ("tied-pp2dp1-to-pp1dp2", "pp2dp1-z1-fp32-tied", 1, 2, True),
     ("tied-pp1dp2-to-pp2dp1", "pp1dp2-z1-fp32-tied", 2, 1, True),
     ("fp32-pp2dp2-to-pp1dp4", "pp2dp2-z1-fp32", 1, 4, True),

@@ -5,8 +5,9 @@ The files of a pipeline tag folder (DeepSpeed 0.19.8; docs/parallel.md, "Pipelin
 * ``mp_rank_{s:02d}_model_states.pt`` per stage ``s`` (``module`` is None; ``param_shapes``
   names the stage's trainable params by their ``PipelineModule`` names);
 * ``[bf16_]zero_pp_rank_{d}_mp_rank_{s:02d}_optim_states.pt`` per stage and data-parallel rank
-  ``d``: stage ``s``'s ZeRO partitions over its ``dp`` replicas (ZeRO-1, or ``BF16_Optimizer``
-  at ZeRO-0), the layout every other ZeRO-1 checkpoint has;
+  ``d``: stage ``s``'s ZeRO partitions over its ``dp`` replicas (ZeRO-1 in fp32, fp16 or bf16,
+  or ``BF16_Optimizer`` at ZeRO-0), the layout every other ZeRO-1 checkpoint has (ZeRO-0 in
+  fp32 or fp16 writes none and is refused: :mod:`.pipeline_zero0`);
 * ``layer_{i:02d}-model_states.pt`` per layer with a ``state_dict`` (the layer's own names):
   the training-dtype weights, buffers and frozen params. A tied layer's second use (a
   ``forward_fn``) has no file.
@@ -64,6 +65,7 @@ from ucformat.sources.deepspeed.pipeline_tp import (
     has_tp_layer_files,
     merge_pipeline_tp,
 )
+from ucformat.sources.deepspeed.pipeline_zero0 import refuse_fp16_zero0
 from ucformat.sources.deepspeed.states import FlatStates, read_zero12_states
 from ucformat.sources.reading import describing
 from ucformat.sources.safe_unpickle import PicklePolicy
@@ -166,11 +168,13 @@ def read_pipeline_checkpoint(
     Raises:
         LayoutMismatchError: a tied param differs between the stages that hold it (the message
             names it), or the stages disagree (steps, optimizer groups, layout).
+        UnsupportedCheckpointError: ZeRO-0 in fp16 (:func:`.pipeline_zero0.refuse_fp16_zero0`).
         UCFormatError: as :func:`find_pipeline_files`, or damaged files.
     """
     folder, tag_name = locate_tag_folder(Path(src), tag)
     if has_tp_layer_files(folder):  # layer_XX-model_YY: tensor parallel (.pipeline_tp)
         return _read_tensor_parallel(folder, tag_name, policy, check_crc)
+    refuse_fp16_zero0(folder, policy, check_crc=check_crc)
     files = find_pipeline_files(folder, tag_name)
     opened = OpenedFiles(policy, check_crc=check_crc)
     with describing(folder, "the pipeline files", "a supported DeepSpeed", opened.close):
