@@ -92,9 +92,9 @@ def run_native_export(
 ) -> ExportResult:
     """Export ``ckpt`` to ``out`` (a run folder or a URL) with ``export``'s plan and files.
 
-    ``world_size`` and ``stage`` name a derived tag (:func:`~ucformat.export._run_folder.
-    derived_tag`); the other options are those of :func:`ucformat.export.export_deepspeed`.
-    ``clock`` started when the export did.
+    ``world_size`` and ``stage`` name a derived tag
+    (:func:`~ucformat.export._run_folder.derived_tag`); the other options are those of
+    :func:`ucformat.export.export_deepspeed`. ``clock`` started when the export did.
 
     Raises:
         StoreExistsError: see :func:`~ucformat.export._run_folder.plan_destination`.
