@@ -62,7 +62,7 @@ from ucformat.format.models import CheckpointManifest, ScalarState
 from ucformat.format.pyvalue import decode
 from ucformat.format.spec import FP32_STATE
 from ucformat.format.summary import format_bytes
-from ucformat.layout.boxes import row_chunks
+from ucformat.layout.boxes import RowChunk, row_chunks
 from ucformat.read.checkpoint import BUFFER_STATE, UniversalCheckpoint
 from ucformat.store.keys import StoreLike
 
@@ -85,13 +85,9 @@ Layout = Literal["flat", "nested"]
 KeyPath = tuple[str | int, ...]
 
 
-@dataclass(frozen=True)
-class DcpPiece:
-    """Rows ``[row_start, row_stop)`` of a tensor, written by ``rank`` (0-d: the value)."""
-
-    rank: int
-    row_start: int
-    row_stop: int
+#: One chunk DCP writes: rows ``[row_start, row_stop)`` of a tensor, written by ``rank`` (0-d:
+#: the value); the pieces :func:`~ucformat.layout.boxes.row_chunks` cuts.
+DcpPiece = RowChunk
 
 
 @dataclass(frozen=True)
@@ -173,11 +169,9 @@ def plan_dcp(
             scalar: ScalarState | None = None) -> None:  # fmt: skip
         elements = max(1, piece_bytes // itemsize(dtype))
         cut = row_chunks(shape, world_size, elements)
-        pieces: tuple[DcpPiece, ...]
         if not cut and shape:  # an empty tensor: one empty chunk, as DCP writes it
-            pieces = (DcpPiece(0, 0, shape[0]),)
-        else:
-            pieces = tuple(DcpPiece(c.rank, c.row_start, c.row_stop) for c in cut)
+            cut = [DcpPiece(0, 0, shape[0])]
+        pieces = tuple(cut)
         tensors.append(DcpTensorItem(key, path, name, state, shape, dtype, pieces, scalar))
 
     aliases: dict[str, list[str]] = {}

@@ -37,18 +37,17 @@ from ucformat.export._common import (
     ExportResult,
     Stopwatch,
     atomic_torch_save,
-    atomic_write_bytes,
     open_store_arg,
 )
 from ucformat.export._deepspeed_common import (
+    DeepSpeedClasses,
     build_loss_scaler,
-    deepspeed_classes,
     flat_group_step,
     model_states,
     module_state_dict,
 )
+from ucformat.export._native_export import NativeExport, run_native_export
 from ucformat.export._native_target import ZERO_OPTIMIZER, NativeTarget, native_target
-from ucformat.export._run_folder import finish_destination, plan_destination, prepare_folder
 from ucformat.export._url_target import is_url
 from ucformat.format.models import CheckpointManifest
 from ucformat.format.pyvalue import decode
@@ -219,10 +218,12 @@ def plan_deepspeed_experts(
 class _Files:
     """Builds each file's dict; one rank's partitions in memory at a time."""
 
-    def __init__(self, ckpt: UniversalCheckpoint, plan: ExpertsPlan) -> None:
+    def __init__(
+        self, ckpt: UniversalCheckpoint, plan: ExpertsPlan, classes: DeepSpeedClasses
+    ) -> None:
         self.ckpt = ckpt
         self.plan = plan
-        self.classes = deepspeed_classes("deepspeed")
+        self.classes = classes
         manifest = ckpt.manifest
         assert manifest.optimizer is not None
         assert manifest.experts is not None
@@ -363,6 +364,40 @@ class _Files:
         return OrderedDict((n, self.ckpt.read(n, FP32_STATE).float()) for n in names)
 
 
+def _write_files(
+    ckpt: UniversalCheckpoint,
+    plan: ExpertsPlan,
+    classes: DeepSpeedClasses,
+    tag_dir: Path,
+    hooks: ExportHooks,
+) -> list[str]:
+    """Write the expert files, the model states, then the optimizer-states files; no notes."""
+    files = _Files(ckpt, plan, classes)
+    target, ranks = plan.target, plan.ranks
+    assert ckpt.manifest.experts is not None
+    for layer in range(len(ckpt.manifest.experts.layers)):
+        for expert in range(ranks.num_experts):
+            name = f"layer_{layer}_expert_{expert}_mp_rank_00_model_states.pt"
+            atomic_torch_save(files.expert_file(layer, expert), tag_dir / name)
+    atomic_torch_save(files.model_file(), tag_dir / target.model_file(0))
+    for ep_rank in range(ranks.ep_size if target.stage == 0 else 0):
+        optimizer = {"optimizer": files.torch_optimizer(ep_rank)}
+        atomic_torch_save(optimizer, tag_dir / expp_file(ep_rank))
+    for rank in range(ranks.world_size if target.stage else 0):
+        atomic_torch_save(files.optimizer_file(rank), tag_dir / target.optim_file(rank))
+        hooks.advance(plan.nbytes // ranks.world_size)
+    return []
+
+
+def _describe(plan: ExpertsPlan) -> str:
+    """The summary's account of what the plan writes."""
+    target, ranks = plan.target, plan.ranks
+    return (
+        f"DeepSpeed MoE ep{ranks.ep_size} x {ranks.world_size} ranks ZeRO-{target.stage} fp32 "
+        f"checkpoint (tag {target.tag}, {len(plan.files) - 1} files)"
+    )
+
+
 def export_deepspeed_experts(
     store: StoreLike | UniversalCheckpoint,
     out: str | Path,
@@ -388,53 +423,33 @@ def export_deepspeed_experts(
         StoreExistsError: the tag folder exists and ``overwrite`` is not set.
     """
     clock = Stopwatch()
-    hooks = hooks or ExportHooks()
     ckpt = open_store_arg(store)
     if is_url(out):
         raise _refuse(f"it writes to a local folder, not to a URL ({out}); upload the folder.")
-    folder = Path(out)
-    dest = plan_destination(
-        folder,
-        source_tag=ckpt.manifest.source.tag,
-        tag=tag,
+    export = NativeExport(
+        plan=lambda chosen: plan_deepspeed_experts(
+            ckpt.manifest,
+            world_size=world_size,
+            stage=stage,
+            ep_size=ep_size,
+            dtype=dtype,
+            ds_config=ds_config,
+            tag=chosen,
+        ),
+        write=_write_files,
+        describe=_describe,
+        notes=lambda dest: [],
+    )
+    return run_native_export(
+        ckpt,
+        out,
+        export,
         world_size=world_size,
         stage=stage,
+        tag=tag,
         overwrite=overwrite,
         remove_previous=remove_previous,
-    )
-    plan = plan_deepspeed_experts(
-        ckpt.manifest,
-        world_size=world_size,
-        stage=stage,
-        ep_size=ep_size,
-        dtype=dtype,
-        ds_config=ds_config,
-        tag=dest.tag,
-    )
-    target = plan.target
-    if not dry_run:
-        files = _Files(ckpt, plan)
-        hooks.plan(plan.nbytes)
-        tag_dir = prepare_folder(dest)
-        assert ckpt.manifest.experts is not None
-        for layer in range(len(ckpt.manifest.experts.layers)):
-            for expert in range(plan.ranks.num_experts):
-                name = f"layer_{layer}_expert_{expert}_mp_rank_00_model_states.pt"
-                atomic_torch_save(files.expert_file(layer, expert), tag_dir / name)
-        atomic_torch_save(files.model_file(), tag_dir / target.model_file(0))
-        for ep_rank in range(ep_size if stage == 0 else 0):
-            optimizer = {"optimizer": files.torch_optimizer(ep_rank)}
-            atomic_torch_save(optimizer, tag_dir / expp_file(ep_rank))
-        for rank in range(world_size if stage else 0):
-            atomic_torch_save(files.optimizer_file(rank), tag_dir / target.optim_file(rank))
-            hooks.advance(plan.nbytes // world_size)
-        atomic_write_bytes(folder / LATEST_FILE, target.tag.encode())
-        finish_destination(dest)
-    verb = "would write" if dry_run else "wrote"
-    summary = (
-        f"{verb} DeepSpeed MoE ep{ep_size} x {world_size} ranks ZeRO-{stage} fp32 checkpoint "
-        f"(tag {target.tag}, {len(plan.files) - 1} files) to {folder} in {clock.seconds:.2f}s"
-    )
-    return ExportResult(
-        "deepspeed", folder, list(plan.files), plan.nbytes, dry_run, clock.seconds, summary, []
+        dry_run=dry_run,
+        hooks=hooks or ExportHooks(),
+        clock=clock,
     )

@@ -15,7 +15,8 @@ Algorithm:
    :func:`~ucformat.export._native_target.plan_native` computes every flat buffer's layout at
    the new world size with :mod:`ucformat.layout.partition` (pure; ``--dry-run`` stops here).
 2. The model-states file(s) are written, then one optimizer-states file per rank, each built
-   from exactly the flat ranges that rank owns, then ``latest`` (last, as the commit).
+   from exactly the flat ranges that rank owns, then ``latest`` (last, as the commit); the
+   steps around the files are :func:`~ucformat.export._native_export.run_native_export`'s.
 
 Differences from a DeepSpeed-written checkpoint, none of which DeepSpeed reads: ZeRO-3 padding
 is zeros instead of uninitialised memory; the ``module`` dict lists parameters, then buffers,
@@ -36,28 +37,24 @@ from ucformat.export._common import (
     ExportResult,
     Stopwatch,
     atomic_torch_save,
-    atomic_write_bytes,
     open_store_arg,
 )
 from ucformat.export._deepspeed_common import (
     DeepSpeedClasses,
     build_loss_scaler,
-    deepspeed_classes,
     group_shapes,
     model_states,
     module_state_dict,
 )
+from ucformat.export._native_export import NativeExport, run_native_export
 from ucformat.export._native_files import RankFiles, frozen_fragments
 from ucformat.export._native_target import NativePlan, native_target, plan_native
 from ucformat.export._replace import transactional
-from ucformat.export._run_folder import finish_destination, plan_destination, prepare_folder
-from ucformat.export._url_target import export_to_url, is_url
 from ucformat.export.deepspeed_experts import export_deepspeed_experts
 from ucformat.export.hf_trainer import trainer_notes
 from ucformat.format.models import CheckpointManifest
 from ucformat.format.summary import format_bytes
 from ucformat.read.checkpoint import UniversalCheckpoint
-from ucformat.sources.deepspeed.files import LATEST_FILE
 from ucformat.store.keys import StoreLike
 
 __all__ = ["export_deepspeed", "plan_deepspeed"]
@@ -128,9 +125,32 @@ def _count(number: int, noun: str) -> str:
     return f"{number} {noun}{'' if number == 1 else 's'}"
 
 
-def _owned(tag: str) -> Any:
-    """The names an export to a URL writes at the prefix's top level (for ``overwrite``)."""
-    return lambda name: name in (tag, LATEST_FILE)
+def _write_files(
+    ckpt: UniversalCheckpoint,
+    plan: NativePlan,
+    classes: DeepSpeedClasses,
+    tag_dir: Path,
+    hooks: ExportHooks,
+) -> list[str]:
+    """Write the model-states files, then one optimizer-states file per rank; return the notes."""
+    target = plan.target
+    scaler, dynamic = build_loss_scaler(classes, ckpt.manifest, target.dtype, target.ds_config)
+    notes = _write_model_files(ckpt, plan, classes, tag_dir)
+    files = RankFiles(ckpt, plan, classes, scaler, dynamic)
+    for rank in range(target.world_size):
+        atomic_torch_save(files.optimizer_file(rank), tag_dir / target.optim_file(rank))
+        hooks.advance(files.payload_per_rank)
+    return notes
+
+
+def _describe(plan: NativePlan) -> str:
+    """The summary's account of what the plan writes."""
+    target = plan.target
+    return (
+        f"DeepSpeed ZeRO-{target.stage} x{target.world_size} {target.dtype} checkpoint "
+        f"({target.wrapper}, {_count(len(plan.flat_groups), 'flat group')}, tag {target.tag}, "
+        f"{format_bytes(plan.nbytes)} optimizer state)"
+    )
 
 
 @transactional
@@ -199,71 +219,29 @@ def export_deepspeed(
             tag=tag, overwrite=overwrite, remove_previous=remove_previous, dry_run=dry_run,
             hooks=hooks, ep_size=ep_size or (experts.ep_size if experts else 1),
         )  # fmt: skip
-    if is_url(out):  # a fresh prefix: staged in a local folder, then uploaded
-        tag_of_url = plan_deepspeed(
+    export = NativeExport(
+        plan=lambda chosen: plan_deepspeed(
             ckpt.manifest,
             world_size=world_size,
             stage=stage,
             dtype=dtype,
             ds_config=ds_config,
-            tag=tag,
-        ).target.tag
-        return export_to_url(
-            str(out),
-            lambda staged: export_deepspeed(
-                ckpt,
-                staged,
-                world_size=world_size,
-                stage=stage,
-                dtype=dtype,
-                ds_config=ds_config,
-                tag=tag,
-                dry_run=dry_run,
-                hooks=hooks,
-            ),
-            owned=_owned(tag_of_url),
-            overwrite=overwrite,
-            dry_run=dry_run,
-            last=(LATEST_FILE,),
-        )
-    folder = Path(out)
-    dest = plan_destination(
-        folder,
-        source_tag=ckpt.manifest.source.tag,
-        tag=tag,
+            tag=chosen,
+        ),
+        write=_write_files,
+        describe=_describe,
+        notes=lambda dest: dest.notes() + trainer_notes(dest.folder, ckpt.manifest, world_size),
+    )
+    return run_native_export(
+        ckpt,
+        out,
+        export,
         world_size=world_size,
         stage=stage,
+        tag=tag,
         overwrite=overwrite,
         remove_previous=remove_previous,
-    )
-    plan = plan_deepspeed(
-        ckpt.manifest,
-        world_size=world_size,
-        stage=stage,
-        dtype=dtype,
-        ds_config=ds_config,
-        tag=dest.tag,
-    )
-    target = plan.target
-    notes = dest.notes() + trainer_notes(folder, ckpt.manifest, world_size)
-    if not dry_run:
-        classes = deepspeed_classes("deepspeed")
-        hooks.plan(plan.nbytes)
-        tag_dir = prepare_folder(dest)
-        scaler, dynamic = build_loss_scaler(classes, ckpt.manifest, target.dtype, target.ds_config)
-        notes = _write_model_files(ckpt, plan, classes, tag_dir) + notes
-        files = RankFiles(ckpt, plan, classes, scaler, dynamic)
-        for rank in range(target.world_size):
-            atomic_torch_save(files.optimizer_file(rank), tag_dir / target.optim_file(rank))
-            hooks.advance(files.payload_per_rank)
-        atomic_write_bytes(folder / LATEST_FILE, target.tag.encode())
-        finish_destination(dest)
-    verb = "would write" if dry_run else "wrote"
-    summary = (
-        f"{verb} DeepSpeed ZeRO-{target.stage} x{target.world_size} {target.dtype} checkpoint "
-        f"({target.wrapper}, {_count(len(plan.flat_groups), 'flat group')}, tag {target.tag}, "
-        f"{format_bytes(plan.nbytes)} optimizer state) to {folder} in {clock.seconds:.2f}s"
-    )
-    return ExportResult(
-        "deepspeed", folder, list(plan.files), plan.nbytes, dry_run, clock.seconds, summary, notes
+        dry_run=dry_run,
+        hooks=hooks,
+        clock=clock,
     )
