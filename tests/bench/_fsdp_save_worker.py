@@ -10,7 +10,9 @@ AdamW, one training step; then, ``repeat`` times in alternating order, each on a
 destination and timed between barriers (slowest rank): ``ucformat.torch.save(model,
 optimizer, DIR)`` and ``dcp.save({"model": get_model_state_dict(m), "optim":
 get_optimizer_state_dict(m, opt)}, checkpoint_id=DIR)`` (the state-dict calls included: both
-start from the live model).
+start from the live model); and the like-for-like pairs: ``ucformat.torch.save(...,
+fsync=False)`` (ucformat fsyncs its store by default, ``dcp.save`` does not) and ``dcp.save``
+followed by an fsync of what it wrote (:mod:`tests.bench.durable`).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # repo root, for `
 import torch
 
 from tests.bench.cases import SIZES, BenchCase, Decoder, loss_fn, make_batch
+from tests.bench.durable import fsync_share
 
 
 def main() -> int:
@@ -63,8 +66,8 @@ def main() -> int:
     out = Path(job["dir"])
     ucf, native = out / "fsdp.ucf", out / "fsdp.dcp"
 
-    def ucformat_save() -> None:
-        ucformat.torch.save(model, optimizer, ucf, overwrite=True)
+    def ucformat_save(fsync: bool = True) -> None:
+        ucformat.torch.save(model, optimizer, ucf, overwrite=True, fsync=fsync)
 
     def dcp_save() -> None:
         state = {
@@ -73,10 +76,17 @@ def main() -> int:
         }
         dcp.save(state, checkpoint_id=str(native))
 
+    def dcp_save_fsync() -> None:
+        dcp_save()
+        dist.barrier()
+        fsync_share(native, rank, world)
+
     runs: dict[str, list[float]] = {}
     pair: list[tuple[str, Any, Path]] = [
         ("ucformat.torch.save", ucformat_save, ucf),
         ("dcp.save", dcp_save, native),
+        ("ucformat.torch.save nofsync", lambda: ucformat_save(fsync=False), ucf),
+        ("dcp.save fsync", dcp_save_fsync, native),
     ]
     for index in range(int(job.get("repeat", 3))):
         for name, action, folder in pair[:: -1 if index % 2 else 1]:

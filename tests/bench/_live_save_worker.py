@@ -9,7 +9,11 @@ each timed between barriers, slowest rank reported:
 
 * ``save_checkpoint``: ``engine.save_checkpoint(dir/native)`` (what ``ds_to_universal`` and
   ``ucformat convert`` then read);
-* ``save``: ``ucformat.deepspeed.save(engine, dir/live.ucf)``;
+* ``save``: ``ucformat.deepspeed.save(engine, dir/live.ucf)`` (it fsyncs the store);
+* ``save_nofsync``: the same with ``fsync=False`` (writeback left to the OS, as
+  ``save_checkpoint`` leaves it), and ``save_checkpoint_fsync``: ``save_checkpoint`` followed
+  by an fsync of every file and directory it wrote (:mod:`tests.bench.durable`): the two
+  like-for-like pairs;
 * ``copy_floor``: one plain ``clone()`` of the rank's fp32 partitions and optimizer states (the
   least a non-blocking save must do before training may go on);
 * ``save_async``: the time ``save_async`` blocks the caller, and the time until the commit
@@ -38,6 +42,7 @@ import torch
 
 from tests.bench._save_worker import SEED, initialize, setup_deepspeed
 from tests.bench.cases import TAG, BenchCase, loss_fn, make_batch
+from tests.bench.durable import fsync_share
 
 
 def _step(engine: object, case: BenchCase, step: int, rank: int) -> None:
@@ -121,10 +126,23 @@ def main() -> int:
     copied, report, async_report = 0, None, None
     for index in range(repeat):  # each pair in alternating order
         order = -1 if index % 2 else 1
+
+        def save_checkpoint() -> None:
+            engine.save_checkpoint(
+                str(native), tag=TAG, client_state={"universal_checkpoint_info": {}}
+            )
+
+        def save_checkpoint_fsync() -> None:
+            save_checkpoint()
+            dist.barrier()  # every rank's files are written
+            fsync_share(native, rank, dist.get_world_size())
+
         pair: list[tuple[str, Any, Path]] = [
-            ("save_checkpoint", lambda: engine.save_checkpoint(
-                str(native), tag=TAG, client_state={"universal_checkpoint_info": {}}), native),
+            ("save_checkpoint", save_checkpoint, native),
             ("save", save, live),
+            ("save_nofsync", lambda: ucformat.deepspeed.save(
+                engine, live, overwrite=True, fsync=False), live),
+            ("save_checkpoint_fsync", save_checkpoint_fsync, native),
         ]  # fmt: skip
         for name, action, clear in pair[::order]:
             result = timed(name, action, clear)

@@ -155,6 +155,39 @@ def pairs_table(results: list[dict[str, Any]], fsdp: list[dict[str, Any]]) -> st
             f"| **{t['save_async_blocked'] / t['copy_floor']:.2f}x** "
             f"| {t['async_total']:.2f} |"
         )
+    lines += [
+        "",
+        "Like for like (same launch): both without fsync, and both with every file fsynced:",
+        "",
+        "| case | save (fsync=False) | save_checkpoint | ratio | save | save_checkpoint + fsync "
+        "| ratio |",
+        "|" + "---|" * 7,
+    ]
+    for r in results:
+        t, runs = r["times"], r["runs"]
+        if "save_nofsync" not in t:
+            continue
+        lines.append(
+            f"| {r['case']} | {t['save_nofsync']:.2f} ({_spread(runs['save_nofsync'])}) "
+            f"| {t['save_checkpoint']:.2f} "
+            f"| **{t['save_nofsync'] / t['save_checkpoint']:.2f}x** "
+            f"| {t['save']:.2f} "
+            f"| {t['save_checkpoint_fsync']:.2f} ({_spread(runs['save_checkpoint_fsync'])}) "
+            f"| **{t['save'] / t['save_checkpoint_fsync']:.2f}x** |"
+        )
+    for r in fsdp:
+        t, runs = r["times"], r["runs"]
+        if "dcp.save fsync" not in t:
+            continue
+        nofsync, durable = t["ucformat.torch.save nofsync"], t["dcp.save fsync"]
+        lines.append(
+            f"| {r['case']} (ucformat.torch.save / dcp.save) "
+            f"| {nofsync:.2f} ({_spread(runs['ucformat.torch.save nofsync'])}) "
+            f"| {t['dcp.save']:.2f} | **{nofsync / t['dcp.save']:.2f}x** "
+            f"| {t['ucformat.torch.save']:.2f} "
+            f"| {durable:.2f} ({_spread(runs['dcp.save fsync'])}) "
+            f"| **{t['ucformat.torch.save'] / durable:.2f}x** |"
+        )
     if fsdp:
         lines += [
             "",

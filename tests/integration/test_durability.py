@@ -130,6 +130,29 @@ def test_spread_write_syncs_each_object_once_before_agreeing(
     assert ucformat.verify(final).ok
 
 
+def test_live_save_fsync_off_syncs_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``fsync=False`` of a live save (here ``ucformat.torch.save``, one process, through the
+    same ``write_spread`` as every live save) makes no fsync call; the store is complete."""
+    import torch
+
+    import ucformat.torch as uctorch
+
+    model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.Linear(32, 4))
+    optimizer = torch.optim.Adam(model.parameters())
+    model(torch.randn(2, 64)).sum().backward()
+    optimizer.step()
+    events = observe(monkeypatch)
+    uctorch.save(model, optimizer, tmp_path / "off.ucf", fsync=False)
+    assert not [event for event in events if event[0] == "fsync"]
+    uctorch.save(model, optimizer, tmp_path / "on.ucf")
+    synced = [path for kind, path in events if kind == "fsync"]
+    assert any(path.endswith("/c/0/0") for path in synced), synced  # the default syncs shards
+    assert ucformat.verify(tmp_path / "off.ucf").ok
+    copy = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.Linear(32, 4))
+    uctorch.load(copy, None, tmp_path / "off.ucf")
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), copy.parameters()))
+
+
 def test_writers_together_sync_every_entry(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Two writers' :func:`sync_written` of disjoint objects cover every file and directory."""
     from ucformat.store.durable import sync_written

@@ -84,9 +84,10 @@ def prepare_live_save(
 
 
 def write_live_save(
-    save: LiveSave, *, overwrite: bool, workers: int, exchange_budget: int
+    save: LiveSave, *, overwrite: bool, workers: int, exchange_budget: int, fsync: bool = True
 ) -> SpreadReport:
-    """Write the prepared save spread over its ranks and commit once all agree (collective)."""
+    """Write the prepared save spread over its ranks and commit once all agree (collective);
+    ``fsync``: make a local store durable before and at the commit (docs/format.md §6)."""
     return write_spread(
         save.plan,
         save.store,
@@ -97,4 +98,5 @@ def write_live_save(
         workers=workers,
         exchange_budget=exchange_budget,
         overwrite_hint="overwrite=True",
+        fsync=fsync,
     )

@@ -296,6 +296,7 @@ def write_spread(
     progress: Callable[[int], None] | None = None,
     before_commit: Callable[[], object] | None = None,
     overwrite_hint: str = "",
+    fsync: bool = True,
 ) -> SpreadReport:
     """Write ``plan`` into ``store`` from every rank of ``group``; rank 0 commits.
 
@@ -303,6 +304,8 @@ def write_spread(
     ``before_commit`` runs on every rank after its writes (e.g. the source CRC check); its
     error fails every rank before anything is committed. ``overwrite_hint`` replaces the
     CLI's ``--overwrite`` in the message of an existing store (``overwrite=True`` for the API).
+    ``fsync=False`` skips making a local store durable (docs/format.md §6): the store is
+    complete for readers once committed, but a power loss may lose what the page cache held.
 
     Raises:
         CollectiveError: some rank failed (the same error on every rank); nothing was
@@ -355,7 +358,9 @@ def write_spread(
         writes.close()
     if failure is None:
         try:
-            _flush(plan, store, [u for i, u in enumerate(plan.units) if writers[i] == rank], rank)
+            if fsync:
+                mine_all = [u for i, u in enumerate(plan.units) if writers[i] == rank]
+                _flush(plan, store, mine_all, rank)
             if before_commit is not None:
                 before_commit()
         except Exception as exc:
@@ -364,7 +369,9 @@ def write_spread(
 
     if rank == 0:
         try:
-            report.manifest = commit_manifest(store, plan.manifest, objects_synced=True)
+            report.manifest = commit_manifest(
+                store, plan.manifest, durable=fsync, objects_synced=True
+            )
             report.committed = True
         except Exception as exc:
             failure = exc
