@@ -150,7 +150,8 @@ def test_live_save_fsync_off_syncs_nothing(tmp_path: Path, monkeypatch: pytest.M
     assert ucformat.verify(tmp_path / "off.ucf").ok
     copy = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.Linear(32, 4))
     uctorch.load(copy, None, tmp_path / "off.ucf")
-    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), copy.parameters()))
+    pairs = zip(model.parameters(), copy.parameters(), strict=True)
+    assert all(torch.equal(a, b) for a, b in pairs)
 
 
 def test_writers_together_sync_every_entry(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
