@@ -150,16 +150,18 @@ class ShardEncoder:
         first = min(slot.box[0].start for slot in slots)
         last = max(slot.box[0].stop for slot in slots)
         start, stop = first * columns, last * columns
-        staging = np.empty((stop - start) * item, dtype=np.uint8)
-        view = staging.data
-        index = max(0, bisect.bisect_right(self._copy_starts, start) - 1)
-        while index < len(self.copies) and self._copy_starts[index] < stop:
-            low = max(start, self._copy_starts[index])
-            high = min(stop, self._copy_starts[index] + self.copies[index].length)
-            if low < high:
-                piece = view[(low - start) * item : (high - start) * item]
-                self._read(self.copies[index], self._copy_starts[index], [(low, high, piece)])
-            index += 1
+        staging = self._band_in_memory(start, stop)
+        if staging is None:
+            staging = np.empty((stop - start) * item, dtype=np.uint8)
+            view = staging.data
+            index = max(0, bisect.bisect_right(self._copy_starts, start) - 1)
+            while index < len(self.copies) and self._copy_starts[index] < stop:
+                low = max(start, self._copy_starts[index])
+                high = min(stop, self._copy_starts[index] + self.copies[index].length)
+                if low < high:
+                    piece = view[(low - start) * item : (high - start) * item]
+                    self._read(self.copies[index], self._copy_starts[index], [(low, high, piece)])
+                index += 1
         band = staging.reshape(last - first, columns * item)
         out = np.frombuffer(buffer, dtype=np.uint8)
         base, chunk = slots[0].offset, self.layout.chunk_nbytes
@@ -171,6 +173,19 @@ class ShardEncoder:
             if b - a < rows or d - c < cols:  # an edge chunk: padding holds the fill value 0
                 target[...] = 0
             target[: b - a, : (d - c) * item] = band[a - first : b - first, c * item : d * item]
+
+    def _band_in_memory(self, start: int, stop: int) -> np.ndarray | None:
+        """Elements ``[start, stop)`` as the bytes of the one in-memory source holding them all
+        (a live save's tensor: ``memory_span``), without a staging copy; else None."""
+        index = max(0, bisect.bisect_right(self._copy_starts, start) - 1)
+        if index >= len(self.copies):
+            return None
+        copy, copy_start = self.copies[index], self._copy_starts[index]
+        span = getattr(copy.fragment.tensor, "memory_span", None)
+        if span is None or copy_start > start or copy_start + copy.length < stop:
+            return None
+        band: np.ndarray = span(copy.tensor_start + start - copy_start, stop - start)
+        return band
 
     def _read(
         self, copy: CopyItem, copy_start: int, pieces: list[tuple[int, int, memoryview]]

@@ -107,6 +107,11 @@ class MemoryTensor:
             )
         return self.data[start * self.item : (start + count) * self.item]
 
+    def memory_span(self, start: int, count: int) -> np.ndarray:
+        """The bytes of elements ``[start, start + count)`` in place (``uint8``, no copy): the
+        shard encoder reads box chunks straight from them."""
+        return self._span(start, count)
+
     def read_into(self, out: np.ndarray, start: int, stop: int) -> None:
         """Copy elements ``[start, stop)`` into ``out`` (storage dtype)."""
         out.reshape(-1).view(np.uint8)[:] = self._span(start, stop - start)

@@ -84,8 +84,13 @@ def _random_case(rng: random.Random) -> tuple[tuple[int, ...], str, ChunkPolicy]
     return shape, dtype, ChunkPolicy(chunk, chunk * rng.randint(1, 12))
 
 
+@pytest.mark.parametrize("live", [False, True], ids=["file-like", "live-memory"])
 @pytest.mark.parametrize("seed", range(6))
-def test_encoded_shards_equal_zarr_writes(seed: int) -> None:
+def test_encoded_shards_equal_zarr_writes(seed: int, live: bool) -> None:
+    """Also from a live save's :class:`MemoryTensor`, whose box chunks are cut straight out of
+    its memory (no staging band)."""
+    from ucformat.write.spread import MemoryTensor
+
     rng = random.Random(seed)
     storage = {"float32": "<f4", "bfloat16": "<u2", "int64": "<i8", "uint8": "u1"}
     for _ in range(40):
@@ -100,7 +105,9 @@ def test_encoded_shards_equal_zarr_writes(seed: int) -> None:
         )  # fmt: skip
         cut = sorted(rng.sample(range(1, values.size), min(3, values.size - 1)))
         bounds = [0, *cut, values.size]
-        tensor: Any = _MemoryTensor(values)
+        tensor: Any = (
+            MemoryTensor(values.view(np.uint8), dtype, 0) if live else _MemoryTensor(values)
+        )
         fragments = [SourceFragment(tensor, a, a, b - a) for a, b in itertools.pairwise(bounds)]
         store = MemoryStore()
         array = create_array(store, ref)
