@@ -31,7 +31,9 @@ from ucformat.errors import ChunkMissingError, CorruptDataError
 from ucformat.format.dtypes import numpy_storage_dtype
 from ucformat.format.models import ArrayRef
 from ucformat.layout.grid import chunk_box, chunk_flat_range, chunks_in_box
+from ucformat.store.direct.objects import local_object
 from ucformat.store.keys import read_key, run, store_writes
+from ucformat.sysio.fileio import pwrite_all
 
 __all__ = [
     "Array",
@@ -43,6 +45,9 @@ __all__ = [
     "create_array",
     "create_arrays",
     "create_root_group",
+    "metadata_documents",
+    "write_array_metadata",
+    "write_objects",
     "expected_metadata",
     "open_array",
     "read_box",
@@ -91,12 +96,20 @@ def create_array(store: Store, ref: ArrayRef) -> zarr.Array[Any]:
 
 
 def create_arrays(store: Store, refs: Sequence[ArrayRef]) -> list[zarr.Array[Any]]:
-    """Create every array of ``refs`` at once; write no chunks.
+    """Create every array of ``refs`` at once (:func:`write_array_metadata`); write no chunks."""
+    write_array_metadata(store, refs)
+    return [array_from_manifest(store, ref) for ref in refs]
 
-    The same objects as :func:`create_array` for each (the array's ``zarr.json`` and those of
-    its missing parent groups), written concurrently in one event-loop round instead of one
-    ``create_array`` round trip per array.
-    """
+
+def write_array_metadata(store: Store, refs: Sequence[ArrayRef]) -> None:
+    """Write the metadata objects of every array of ``refs`` (:func:`metadata_documents`)."""
+    write_objects(store, metadata_documents(refs))
+
+
+def metadata_documents(refs: Sequence[ArrayRef]) -> dict[str, bytes]:
+    """Key -> bytes of the metadata objects of the arrays ``refs``: the same objects as
+    :func:`create_array` writes for each (the array's ``zarr.json`` and those of its missing
+    parent groups)."""
     documents: dict[str, bytes] = {}
     for ref in refs:
         parts = ref.path.split("/")
@@ -107,20 +120,37 @@ def create_arrays(store: Store, refs: Sequence[ArrayRef]) -> list[zarr.Array[Any
             ref.dtype, tuple(ref.shape), tuple(ref.chunk_shape), tuple(ref.shard_shape),
             ref.compressor,
         ).encode()  # fmt: skip
-    prototype = default_buffer_prototype()
+    return documents
 
-    async def write_all() -> None:
-        results = await asyncio.gather(
-            *(store.set(key, prototype.buffer.from_bytes(data)) for key, data in documents.items()),
-            return_exceptions=True,  # every write finishes before a failure is raised
-        )
-        for result in results:
-            if isinstance(result, BaseException):
-                raise result
 
+def write_objects(store: Store, objects: dict[str, bytes]) -> None:
+    """Store small ``objects`` (key -> bytes).
+
+    A local store gets them one after another, each through a file renamed into place as
+    zarr's ``LocalStore.set`` writes it (no event-loop round per object); any other store gets
+    them concurrently in one event-loop round.
+    """
     with store_writes(store, "writing the array metadata"):
+        for key, data in objects.items():
+            with local_object(store, key) as fd:
+                if fd is None:
+                    break
+                pwrite_all(fd, memoryview(data), 0)
+        else:
+            return
+        prototype = default_buffer_prototype()
+
+        async def write_all() -> None:
+            results = await asyncio.gather(
+                *(store.set(key, prototype.buffer.from_bytes(data))
+                  for key, data in objects.items()),
+                return_exceptions=True,  # every write finishes before a failure is raised
+            )  # fmt: skip
+            for result in results:
+                if isinstance(result, BaseException):
+                    raise result
+
         run(write_all())
-    return [array_from_manifest(store, ref) for ref in refs]
 
 
 @functools.lru_cache(maxsize=1)

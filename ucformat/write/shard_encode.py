@@ -21,11 +21,14 @@ avoids.
 from __future__ import annotations
 
 import bisect
+import functools
 import mmap
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 
 import crc32c
 import numpy as np
+from numpy.lib.stride_tricks import as_strided
 
 from ucformat.format.dtypes import itemsize, torch_to_storage
 from ucformat.format.models import ArrayRef
@@ -78,6 +81,7 @@ class ShardEncoder:
         self._boxed = len(ref.shape) == 2 and not is_flat_chunking(ref.shape, ref.chunk_shape)
         self._shape = tuple(ref.shape)
         self._chunk = tuple(ref.chunk_shape)
+        self._key = (self._shape, self._chunk, tuple(ref.shard_shape), self.item, self.shard)
 
     @property
     def stored(self) -> int:
@@ -136,19 +140,25 @@ class ShardEncoder:
         self._checksums(buffer, slots)
 
     def _checksums(self, buffer: memoryview, slots: Sequence[ChunkSlot]) -> None:
-        base, chunk = slots[0].offset, self.layout.chunk_nbytes
-        for slot in slots:
-            at = slot.offset - base
-            checksum = crc32c.crc32c(buffer[at : at + chunk])
-            buffer[at + chunk : at + chunk + CRC_BYTES] = checksum.to_bytes(4, "little")
+        """Each chunk's crc32c after it (``slots`` lie back to back from ``buffer[0]``)."""
+        chunk, stored, count = self.layout.chunk_nbytes, self.stored, len(slots)
+        sums = [crc32c.crc32c(buffer[at : at + chunk]) for at in range(0, count * stored, stored)]
+        tails = np.frombuffer(buffer, dtype=np.uint8)[chunk:]
+        as_strided(tails, shape=(count, CRC_BYTES), strides=(stored, 1))[...] = (
+            np.array(sums, dtype="<u4").view(np.uint8).reshape(count, CRC_BYTES)
+        )
 
     def _fill_rows(self, buffer: memoryview, slots: Sequence[ChunkSlot]) -> None:
-        """Box chunks of a matrix: read the whole rows the slots span into a staging band (one
-        read per copy), then copy each chunk's block out of it (a window of whole rows of
-        chunks, as :meth:`windows` gives, stages exactly its own rows)."""
+        """Box chunks of a matrix: the whole rows the slots span, in place in memory
+        (:meth:`_band_in_memory`) or read into a staging band (one read per copy), then every
+        whole chunk's block copied out of them in batches (one numpy copy per batch) and each
+        edge chunk on its own (a window of whole rows of chunks, as :meth:`windows` gives,
+        spans exactly its own rows)."""
         item, columns = self.item, self._shape[1]
-        first = min(slot.box[0].start for slot in slots)
-        last = max(slot.box[0].stop for slot in slots)
+        grid = _box_grid(*self._key)
+        first_slot = slots[0].offset // self.stored
+        window = slice(first_slot, first_slot + len(slots))
+        first, last = int(grid.row_start[window].min()), int(grid.row_stop[window].max())
         start, stop = first * columns, last * columns
         staging = self._band_in_memory(start, stop)
         if staging is None:
@@ -164,14 +174,31 @@ class ShardEncoder:
                 index += 1
         band = staging.reshape(last - first, columns * item)
         out = np.frombuffer(buffer, dtype=np.uint8)
-        base, chunk = slots[0].offset, self.layout.chunk_nbytes
         rows, cols = self._chunk
-        for slot in slots:
+        width, row_bytes = cols * item, columns * item
+        whole = np.flatnonzero(grid.whole[window])
+        if whole.size:
+            # the band as (chunk row, chunk column, row in chunk, bytes of the row) and the
+            # window as (chunk, row in chunk, bytes of the row): views, no copies
+            blocks = as_strided(
+                band, shape=((last - first) // rows, columns // cols, rows, width),
+                strides=(rows * row_bytes, width, row_bytes, 1),
+            )  # fmt: skip
+            chunks = as_strided(
+                out, shape=(len(slots), rows, width), strides=(self.stored, width, 1)
+            )
+            grid_rows = (grid.row_start[window][whole] - first) // rows
+            grid_columns = grid.column_start[window][whole] // cols
+            for at in range(0, whole.size, _BATCH):
+                part = slice(at, at + _BATCH)
+                chunks[whole[part]] = blocks[grid_rows[part], grid_columns[part]]
+        base, chunk = slots[0].offset, self.layout.chunk_nbytes
+        for position in np.flatnonzero(~grid.whole[window]).tolist():
+            slot = slots[position]
             at = slot.offset - base
-            target = out[at : at + chunk].reshape(rows, cols * item)
+            target = out[at : at + chunk].reshape(rows, width)
             (a, b), (c, d) = ((p.start, p.stop) for p in slot.box)
-            if b - a < rows or d - c < cols:  # an edge chunk: padding holds the fill value 0
-                target[...] = 0
+            target[...] = 0  # an edge chunk: padding holds the fill value 0
             target[: b - a, : (d - c) * item] = band[a - first : b - first, c * item : d * item]
 
     def _band_in_memory(self, start: int, stop: int) -> np.ndarray | None:
@@ -210,11 +237,54 @@ class ShardEncoder:
 
     def index_bytes(self) -> bytes:
         """The shard index with its checksum (the object's last bytes)."""
-        entries = np.full((*self.layout.chunks_per_shard, 2), ABSENT, dtype="<u8")
-        for slot in self.layout.slots:
-            entries[slot.local] = (slot.offset, self.stored)
-        raw = entries.tobytes()
-        return raw + crc32c.crc32c(raw).to_bytes(4, "little")
+        return _index_bytes(*self._key)
+
+
+#: Whole box chunks copied per numpy call (their temporary stays in the CPU cache).
+_BATCH = 64
+
+
+@dataclass(frozen=True)
+class _BoxGrid:
+    """Per chunk of a shard in storage order: its first and end row and first column in the
+    array, and whether it is whole (no edge padding)."""
+
+    row_start: np.ndarray
+    row_stop: np.ndarray
+    column_start: np.ndarray
+    whole: np.ndarray
+
+
+@functools.lru_cache(maxsize=256)
+def _box_grid(
+    shape: tuple[int, ...],
+    chunk: tuple[int, ...],
+    shard_shape: tuple[int, ...],
+    item: int,
+    shard: tuple[int, ...],
+) -> _BoxGrid:
+    slots = shard_layout(shape, chunk, shard_shape, item, shard).slots
+    rows = np.array([[s.box[0].start, s.box[0].stop, s.box[1].start, s.box[1].stop]
+                     for s in slots], dtype=np.int64).reshape(-1, 4)  # fmt: skip
+    whole = (rows[:, 1] - rows[:, 0] == chunk[0]) & (rows[:, 3] - rows[:, 2] == chunk[1])
+    return _BoxGrid(rows[:, 0], rows[:, 1], rows[:, 2], whole)
+
+
+@functools.lru_cache(maxsize=256)
+def _index_bytes(
+    shape: tuple[int, ...],
+    chunk: tuple[int, ...],
+    shard_shape: tuple[int, ...],
+    item: int,
+    shard: tuple[int, ...],
+) -> bytes:
+    layout = shard_layout(shape, chunk, shard_shape, item, shard)
+    stored = layout.chunk_nbytes + CRC_BYTES
+    entries = np.full((*layout.chunks_per_shard, 2), ABSENT, dtype="<u8")
+    for slot in layout.slots:
+        entries[slot.local] = (slot.offset, stored)
+    raw = entries.tobytes()
+    return raw + crc32c.crc32c(raw).to_bytes(4, "little")
 
 
 def encode_shard(ref: ArrayRef, unit: WriteUnit) -> tuple[tuple[int, ...], np.ndarray]:

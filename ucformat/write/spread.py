@@ -8,10 +8,12 @@ naming it on the others: a live save). Each unit has exactly one writer, chosen 
 (:func:`ucformat.collective.agree`):
 
 1. the ranks compare their plans' fingerprints;
-2. rank 0 empties the destination and writes the root group and every array's ``zarr.json``;
+2. rank 0 empties the destination and writes the root group;
 3. every rank writes the units it holds entirely with the converter's own writer
    (:func:`ucformat.write.execute.write_units`, thread pool, streamed shard encoder) on a
-   background thread, while units whose writer lacks some of their bytes go in rounds of at
+   background thread, and its share of the arrays' ``zarr.json`` on another one (nothing
+   reads them before the commit; written by rank 0 first, their many small file creations
+   held every rank up), while units whose writer lacks some of their bytes go in rounds of at
    most half of ``exchange_budget`` bytes: one all-to-all per round moves exactly the missing
    runs from the ranks that hold them to the writer, which writes those shards in the
    background too while the next round is exchanged (at most one round waits to be written);
@@ -37,10 +39,10 @@ from ucformat.errors import StoreExistsError
 from ucformat.format.dtypes import itemsize
 from ucformat.format.models import CheckpointManifest
 from ucformat.layout.ownership import exchange_rounds
-from ucformat.store.arrays import array_from_manifest
+from ucformat.store.arrays import array_from_manifest, metadata_documents, write_objects
 from ucformat.store.lifecycle import discard_store, start_store
 from ucformat.store.manifest_io import ROOT_KEY, commit_manifest
-from ucformat.write.execute import DEFAULT_WORKERS, create_arrays, write_units
+from ucformat.write.execute import DEFAULT_WORKERS, write_units
 from ucformat.write.plan import ConvertPlan, CopyItem, WriteUnit
 
 if TYPE_CHECKING:
@@ -323,7 +325,6 @@ def write_spread(
 
     failure: BaseException | None = None
     created = False
-    arrays: list[Any] = []
     if rank == 0:
         try:
             try:
@@ -332,14 +333,12 @@ def write_spread(
                 if not overwrite_hint:
                     raise
                 raise StoreExistsError(str(exc).replace("--overwrite", overwrite_hint)) from None
-            arrays = create_arrays(store, plan)
         except Exception as exc:  # every rank must learn of it, whatever it is
             failure = exc
     settle(failure, group, where, cleanup=lambda: _discard(rank, store, created))
 
-    try:
-        if rank != 0:  # the same objects rank 0 created, opened without reading them
-            arrays = [array_from_manifest(store, ref) for ref in plan.arrays]
+    try:  # the objects rank 0 writes meanwhile, opened without reading them
+        arrays = [array_from_manifest(store, ref) for ref in plan.arrays]
         runs = _remote_runs(plan, writers)
     except Exception as exc:
         failure, arrays, runs = exc, [], [[] for _ in plan.units]
@@ -348,6 +347,8 @@ def write_spread(
     mine = [u for i, u in enumerate(plan.units) if writers[i] == rank and not runs[i]]
     writes = _BackgroundWrites(plan, arrays, workers, report)
     try:
+        if failure is None:  # this rank's share of the metadata, beside the shards
+            writes.beside(lambda: write_objects(store, _metadata_share(plan, group)))
         if failure is None:  # this rank's own units, written while the rounds exchange
             writes.submit(mine, progress)
         # Half the budget per round: one round is exchanged while the previous one is written.
@@ -365,7 +366,7 @@ def write_spread(
         try:
             if fsync:
                 mine_all = [u for i, u in enumerate(plan.units) if writers[i] == rank]
-                _flush(plan, store, mine_all, rank)
+                _flush(plan, store, mine_all, group)
             if before_commit is not None:
                 before_commit()
         except Exception as exc:
@@ -385,12 +386,12 @@ def write_spread(
     return report
 
 
-def _flush(plan: ConvertPlan, store: Store, units: Sequence[WriteUnit], rank: int) -> None:
+def _flush(plan: ConvertPlan, store: Store, units: Sequence[WriteUnit], group: Group) -> None:
     """Make what this rank wrote durable (a local store), every rank at once, before agreeing.
 
-    Each rank fsyncs the shard objects of ``units`` (those it wrote) and every directory above
-    them; rank 0 also the metadata objects it wrote at the start (the root group's, every
-    group's and array's ``zarr.json``). The commit then fsyncs only the manifest and the root
+    Each rank fsyncs the shard objects of ``units`` (those it wrote), its share of the
+    metadata objects (:func:`_metadata_share`) and every directory above them; rank 0 also the
+    root group's ``zarr.json``. The commit then fsyncs only the manifest and the root
     (``commit_manifest(objects_synced=True)``; docs/format.md §6, "Durability").
     """
     from ucformat.format.spec import shard_object_key
@@ -405,12 +406,17 @@ def _flush(plan: ConvertPlan, store: Store, units: Sequence[WriteUnit], rank: in
     for unit in units:
         ref = plan.arrays[unit.array]
         keys.append(shard_object_key(ref.path, shard_of(ref, unit) if ref.shape else ()))
-    if rank == 0:
+    keys += _metadata_share(plan, group)
+    if group.rank == 0:
         keys.append(ROOT_KEY)
-        for ref in plan.arrays:
-            parts = ref.path.split("/")
-            keys += ["/".join(parts[:depth]) + "/zarr.json" for depth in range(1, len(parts) + 1)]
     sync_written(root.parent, dict.fromkeys(keys))
+
+
+def _metadata_share(plan: ConvertPlan, group: Group) -> dict[str, bytes]:
+    """The metadata objects (every array's and group's ``zarr.json``) this rank writes: every
+    ``world_size``-th of them, in plan order."""
+    documents = list(metadata_documents(plan.arrays).items())
+    return dict(documents[group.rank :: group.world_size])
 
 
 def _discard(rank: int, store: Store, created: bool) -> None:
@@ -507,6 +513,13 @@ class _BackgroundWrites:
         self._plan, self._arrays, self._workers, self._report = plan, arrays, workers, report
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ucformat-spread")
         self._pending: list[tuple[Future[None], list[WriteUnit]]] = []
+        self._beside = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ucformat-meta")
+        self._beside_jobs: list[Future[object]] = []
+
+    def beside(self, job: Callable[[], object]) -> None:
+        """Run ``job`` on a thread of its own, beside the batches (the array metadata: many
+        small objects, whose file-system latency then overlaps the shard writes)."""
+        self._beside_jobs.append(self._beside.submit(job))
 
     def submit(self, units: list[WriteUnit], progress: Callable[[int], None] | None = None) -> None:
         """Write ``units`` after the batches submitted before (an empty batch too: it is
@@ -518,7 +531,8 @@ class _BackgroundWrites:
         self._pending.append((future, units))
 
     def wait(self, *, keep: int) -> BaseException | None:
-        """Wait until at most ``keep`` batches are unfinished; the first batch's failure."""
+        """Wait until at most ``keep`` batches are unfinished (with ``keep=0`` the jobs beside
+        them too); the first failure."""
         failure: BaseException | None = None
         while len(self._pending) > keep:
             future, units = self._pending.pop(0)
@@ -529,8 +543,15 @@ class _BackgroundWrites:
                 continue
             self._report.units_written += len(units)
             self._report.bytes_written += sum(_unit_bytes(self._plan, unit) for unit in units)
+        if keep == 0:
+            while self._beside_jobs:
+                try:
+                    self._beside_jobs.pop(0).result()
+                except Exception as exc:
+                    failure = _first(failure, exc)
         return failure
 
     def close(self) -> None:
         """Stop: batches not started are dropped, a running one is waited for."""
         self._pool.shutdown(wait=True, cancel_futures=True)
+        self._beside.shutdown(wait=True, cancel_futures=True)

@@ -145,3 +145,50 @@ def test_streamed_shards_equal_encoded_shards(tmp_path: Any, window: int) -> Non
                 os.close(fd)
             assert size == len(encoded)
             assert path.read_bytes() == encoded.tobytes()
+
+
+@pytest.mark.parametrize("live", [False, True], ids=["file-like", "live-memory"])
+@pytest.mark.parametrize(
+    ("shape", "chunk", "shard_rows", "window"),
+    [
+        ((100, 37), (3, 4), 30, 1 << 20),  # 340 chunks: several copy batches, edges both ways
+        ((100, 37), (3, 4), 99, 700),  # windows of 8 chunks (Morton blocks), a 1-row shard
+        ((96, 64), (6, 8), 48, 1 << 20),  # no edge chunk at all
+        ((257, 12), (16, 12), 64, 4000),  # whole-width chunks, an edge row of chunks
+    ],
+)
+def test_larger_box_shards_equal_zarr_writes(
+    tmp_path: Any, shape: tuple[int, int], chunk: tuple[int, int], shard_rows: int,
+    window: int, live: bool,
+) -> None:  # fmt: skip
+    """Box chunks cut from matrices with hundreds of chunks per shard (the encoder copies whole
+    chunks in batches and edge chunks one by one), streamed through windows: zarr's bytes."""
+    from ucformat.write.spread import MemoryTensor
+
+    values = (np.arange(prod(shape), dtype=np.int64) * 7919 % 65521).astype("<f4")
+    shard = (shard_rows, shape[1] + (-shape[1]) % chunk[1])
+    ref = ArrayRef(
+        path="a", dtype="float32", shape=list(shape), chunk_shape=list(chunk),
+        shard_shape=list(shard), nbytes=values.nbytes, compressor="none",
+    )  # fmt: skip
+    tensor: Any = (
+        MemoryTensor(values.view(np.uint8), "float32", 0) if live else _MemoryTensor(values)
+    )
+    split = [0, values.size // 3, values.size]  # two fragments: a band may span both
+    fragments = [SourceFragment(tensor, a, a, b - a) for a, b in itertools.pairwise(split)]
+    store = MemoryStore()
+    array = create_array(store, ref)
+    units = _units(0, ref, ArraySource(shape, "float32", fragments))
+    assert units
+    for number, unit in enumerate(units):
+        coords, encoded = encode_shard(ref, unit)
+        write_region(array, unit.region, values.reshape(shape)[unit.region])
+        expected = read_key(store, chunk_key(array, coords))
+        assert encoded.tobytes() == expected, coords
+        path = tmp_path / f"{number}"
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        try:
+            stream_shard(fd, ref, unit, memoryview(bytearray(window)))
+        finally:
+            os.close(fd)
+        assert path.read_bytes() == expected, coords
