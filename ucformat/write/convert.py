@@ -132,7 +132,10 @@ def convert(
         try:
             with store_writes(store, "writing the arrays"):
                 arrays = create_arrays(store, plan)
-                write_units(plan, arrays, plan.units, workers=workers, progress=hooks.on_bytes)
+                write_units(
+                    plan, arrays, plan.units, workers=workers, progress=hooks.on_bytes,
+                    writeback=fsync,
+                )  # fmt: skip
             if hooks.on_phase is not None:
                 hooks.on_phase("checking the source's CRC-32s")
             source.check_integrity()  # before the commit: a damaged source never looks complete

@@ -345,7 +345,7 @@ def write_spread(
     exchanged = [index for index, unit_runs in enumerate(runs) if unit_runs]
     needs = [sum(run.nbytes for run in runs[index]) for index in exchanged]
     mine = [u for i, u in enumerate(plan.units) if writers[i] == rank and not runs[i]]
-    writes = _BackgroundWrites(plan, arrays, workers, report)
+    writes = _BackgroundWrites(plan, arrays, workers, report, writeback=fsync)
     try:
         if failure is None:  # this rank's share of the metadata, beside the shards
             writes.beside(lambda: write_objects(store, _metadata_share(plan, group)))
@@ -506,11 +506,13 @@ class _BackgroundWrites:
     meanwhile; :meth:`wait` bounds how many batches, hence received buffers, are held."""
 
     def __init__(
-        self, plan: ConvertPlan, arrays: list[Any], workers: int, report: SpreadReport
-    ) -> None:
+        self, plan: ConvertPlan, arrays: list[Any], workers: int, report: SpreadReport,
+        *, writeback: bool = False,
+    ) -> None:  # fmt: skip
         from concurrent.futures import ThreadPoolExecutor
 
         self._plan, self._arrays, self._workers, self._report = plan, arrays, workers, report
+        self._writeback = writeback
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ucformat-spread")
         self._pending: list[tuple[Future[None], list[WriteUnit]]] = []
         self._beside = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ucformat-meta")
@@ -526,7 +528,7 @@ class _BackgroundWrites:
         where a rank's writer is first called, as before the rounds ran in the background)."""
         future = self._pool.submit(
             write_units, self._plan, self._arrays, units, workers=self._workers,
-            progress=progress,
+            progress=progress, writeback=self._writeback,
         )  # fmt: skip
         self._pending.append((future, units))
 
