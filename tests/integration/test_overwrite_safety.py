@@ -272,11 +272,14 @@ def test_ctrl_c_at_several_moments_keeps_the_old_store(tmp_path: Path) -> None:
     ucformat.convert(OTHER, dst)
     before = _snapshot(dst)
     command = [sys.executable, "-m", "ucformat_cli", "convert", str(SOURCE), str(dst), *SMALL]
-    started = time.perf_counter()
-    subprocess.run([*command[:5], str(tmp_path / "measure.ucf"), *SMALL], check=True, timeout=300)
-    full = time.perf_counter() - started
+    full = float("inf")
+    for _ in range(2):  # the warm time: a first, cold run can take twice as long
+        started = time.perf_counter()
+        measure = [*command[:5], str(tmp_path / "measure.ucf"), *SMALL, "--overwrite"]
+        subprocess.run(measure, check=True, timeout=300)
+        full = min(full, time.perf_counter() - started)
     outcomes = []
-    for fraction in (0.6, 0.7, 0.8, 0.9):
+    for fraction in (0.3, 0.5, 0.7, 0.9):
         process = subprocess.Popen(
             [*command, "--overwrite"],
             stderr=subprocess.PIPE,
