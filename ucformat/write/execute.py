@@ -7,7 +7,7 @@ many processes, each owning its units.
 
 Uncompressed shards (the default) are encoded by :mod:`ucformat.write.shard_encode`, not by
 zarr: on a local store each worker streams the shard object into its (temporary, then renamed) file
-through one small reused buffer, so memory is about ``workers x 4 MiB`` whatever the shard
+through one small reused buffer, so memory is about ``workers x 512 KiB`` whatever the shard
 size; on any other store the whole object is built in one buffer and stored with one ``set``
 (``workers x shard size``). ``zstd`` shards go through zarr's codec pipeline (:func:`fill_unit`,
 then one region write).
