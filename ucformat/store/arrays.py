@@ -17,6 +17,7 @@ import asyncio
 import functools
 import json
 from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeAlias
 
@@ -31,7 +32,7 @@ from ucformat.errors import ChunkMissingError, CorruptDataError
 from ucformat.format.dtypes import numpy_storage_dtype
 from ucformat.format.models import ArrayRef
 from ucformat.layout.grid import chunk_box, chunk_flat_range, chunks_in_box
-from ucformat.store.direct.objects import local_object
+from ucformat.store.direct.objects import local_object, local_object_root
 from ucformat.store.keys import read_key, run, store_writes
 from ucformat.sysio.fileio import pwrite_all
 
@@ -55,6 +56,9 @@ __all__ = [
     "write_shard",
 ]
 
+
+#: Threads :func:`write_objects` creates a local store's small objects from.
+OBJECT_WRITERS = 8
 
 #: A zarr array, as the rest of ucformat names it (it never imports zarr itself).
 Array: TypeAlias = "zarr.Array[Any]"
@@ -126,18 +130,24 @@ def metadata_documents(refs: Sequence[ArrayRef]) -> dict[str, bytes]:
 def write_objects(store: Store, objects: dict[str, bytes]) -> None:
     """Store small ``objects`` (key -> bytes).
 
-    A local store gets them one after another, each through a file renamed into place as
-    zarr's ``LocalStore.set`` writes it (no event-loop round per object); any other store gets
-    them concurrently in one event-loop round.
+    A local store gets them from :data:`OBJECT_WRITERS` threads, each object through a file
+    renamed into place as zarr's ``LocalStore.set`` writes it (no event-loop round per object;
+    the threads overlap the file system's latency: a file creation waits milliseconds for the
+    journal on a busy disk); any other store gets them concurrently in one event-loop round.
     """
+
+    def put(item: tuple[str, bytes]) -> bool:
+        with local_object(store, item[0]) as fd:
+            if fd is None:
+                return False
+            pwrite_all(fd, memoryview(item[1]), 0)
+            return True
+
     with store_writes(store, "writing the array metadata"):
-        for key, data in objects.items():
-            with local_object(store, key) as fd:
-                if fd is None:
-                    break
-                pwrite_all(fd, memoryview(data), 0)
-        else:
-            return
+        if local_object_root(store) is not None:
+            with ThreadPoolExecutor(max_workers=OBJECT_WRITERS) as pool:
+                if all(pool.map(put, objects.items())):
+                    return
         prototype = default_buffer_prototype()
 
         async def write_all() -> None:

@@ -22,7 +22,7 @@ from zarr.buffer import default_buffer_prototype
 from ucformat.store.checked import CheckedStore
 from ucformat.store.keys import local_root, run
 
-__all__ = ["fetch_bytes", "local_file", "local_object"]
+__all__ = ["fetch_bytes", "local_file", "local_object", "local_object_root"]
 
 
 def fetch_bytes(
@@ -52,6 +52,12 @@ def local_file(store: Store, key: str) -> Path | None:
     store."""
     root = local_root(store.wrapped if isinstance(store, CheckedStore) else store)
     return None if root is None else root / key
+
+
+def local_object_root(store: Store) -> Path | None:
+    """The folder :func:`local_object` writes ``store``'s objects into, or None if it writes
+    none (not a local directory store, or read-only)."""
+    return None if store.read_only else local_file(store, "")
 
 
 @contextlib.contextmanager
