@@ -157,7 +157,7 @@ class ShardEncoder:
         edge chunk on its own (a window of whole rows of chunks, as :meth:`windows` gives,
         spans exactly its own rows)."""
         item, columns = self.item, self._shape[1]
-        grid = _box_grid(*self._key)
+        grid = _tables(*self._key)
         first_slot = slots[0].offset // self.stored
         window = slice(first_slot, first_slot + len(slots))
         first, last = int(grid.row_start[window].min()), int(grid.row_stop[window].max())
@@ -239,7 +239,7 @@ class ShardEncoder:
 
     def index_bytes(self) -> bytes:
         """The shard index with its checksum (the object's last bytes)."""
-        return _index_bytes(*self._key)
+        return _tables(*self._key).index
 
 
 #: Whole box chunks copied per numpy call (their temporary stays in the CPU cache).
@@ -247,10 +247,12 @@ _BATCH = 64
 
 
 @dataclass(frozen=True)
-class _BoxGrid:
-    """Per chunk of a shard in storage order: its first and end row and first column in the
-    array, and whether it is whole (no edge padding)."""
+class _ShardTables:
+    """What every shard of one layout shares: its index bytes and, for box chunks of a matrix,
+    per chunk in storage order its first and end row and first column in the array, and
+    whether it is whole (no edge padding)."""
 
+    index: bytes
     row_start: np.ndarray
     row_stop: np.ndarray
     column_start: np.ndarray
@@ -258,35 +260,26 @@ class _BoxGrid:
 
 
 @functools.lru_cache(maxsize=256)
-def _box_grid(
+def _tables(
     shape: tuple[int, ...],
     chunk: tuple[int, ...],
     shard_shape: tuple[int, ...],
     item: int,
     shard: tuple[int, ...],
-) -> _BoxGrid:
-    slots = shard_layout(shape, chunk, shard_shape, item, shard).slots
-    rows = np.array([[s.box[0].start, s.box[0].stop, s.box[1].start, s.box[1].stop]
-                     for s in slots], dtype=np.int64).reshape(-1, 4)  # fmt: skip
-    whole = (rows[:, 1] - rows[:, 0] == chunk[0]) & (rows[:, 3] - rows[:, 2] == chunk[1])
-    return _BoxGrid(rows[:, 0], rows[:, 1], rows[:, 2], whole)
-
-
-@functools.lru_cache(maxsize=256)
-def _index_bytes(
-    shape: tuple[int, ...],
-    chunk: tuple[int, ...],
-    shard_shape: tuple[int, ...],
-    item: int,
-    shard: tuple[int, ...],
-) -> bytes:
+) -> _ShardTables:
     layout = shard_layout(shape, chunk, shard_shape, item, shard)
     stored = layout.chunk_nbytes + CRC_BYTES
     entries = np.full((*layout.chunks_per_shard, 2), ABSENT, dtype="<u8")
     for slot in layout.slots:
         entries[slot.local] = (slot.offset, stored)
     raw = entries.tobytes()
-    return raw + crc32c.crc32c(raw).to_bytes(4, "little")
+    boxes = np.zeros((len(layout.slots), 4), dtype=np.int64)
+    if len(shape) == 2:
+        boxes[:] = [[b[0].start, b[0].stop, b[1].start, b[1].stop]
+                    for b in (slot.box for slot in layout.slots)]  # fmt: skip
+    whole = (boxes[:, 1] - boxes[:, 0] == chunk[0]) & (boxes[:, 3] - boxes[:, 2] == chunk[-1])
+    index = raw + crc32c.crc32c(raw).to_bytes(4, "little")
+    return _ShardTables(index, boxes[:, 0], boxes[:, 1], boxes[:, 2], whole)
 
 
 def encode_shard(ref: ArrayRef, unit: WriteUnit) -> tuple[tuple[int, ...], np.ndarray]:
