@@ -267,6 +267,10 @@ def test_two_converts_started_together(tmp_path: Path) -> None:
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
 
 
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_ctrl_c_at_several_moments_keeps_the_old_store(tmp_path: Path) -> None:
     dst = tmp_path / "out.ucf"
     ucformat.convert(OTHER, dst)
@@ -285,6 +289,9 @@ def test_ctrl_c_at_several_moments_keeps_the_old_store(tmp_path: Path) -> None:
             stderr=subprocess.PIPE,
             text=True,
             start_new_session=True,
+            # as a terminal's Ctrl-C finds it: a suite started as a background job (`cmd &`)
+            # hands its children SIGINT ignored, and the signal would never arrive
+            preexec_fn=_default_sigint,
         )
         try:
             time.sleep(fraction * full)
