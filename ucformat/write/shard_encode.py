@@ -83,7 +83,13 @@ class ShardEncoder:
         self._boxed = len(ref.shape) == 2 and not is_flat_chunking(ref.shape, ref.chunk_shape)
         self._shape = tuple(ref.shape)
         self._chunk = tuple(ref.chunk_shape)
-        self._key = (self._shape, self._chunk, tuple(ref.shard_shape), self.item, self.shard)
+        self._key: _LayoutKey = (
+            self._shape,
+            self._chunk,
+            tuple(ref.shard_shape),
+            self.item,
+            self.shard,
+        )
 
     @property
     def stored(self) -> int:
@@ -157,7 +163,7 @@ class ShardEncoder:
         edge chunk on its own (a window of whole rows of chunks, as :meth:`windows` gives,
         spans exactly its own rows)."""
         item, columns = self.item, self._shape[1]
-        grid = _tables(*self._key)
+        grid = _tables(self._key)
         first_slot = slots[0].offset // self.stored
         window = slice(first_slot, first_slot + len(slots))
         first, last = int(grid.row_start[window].min()), int(grid.row_stop[window].max())
@@ -239,7 +245,7 @@ class ShardEncoder:
 
     def index_bytes(self) -> bytes:
         """The shard index with its checksum (the object's last bytes)."""
-        return _tables(*self._key).index
+        return _tables(self._key).index
 
 
 #: Whole box chunks copied per numpy call (their temporary stays in the CPU cache).
@@ -259,15 +265,14 @@ class _ShardTables:
     whole: np.ndarray
 
 
+#: What decides a shard's layout: shape, chunk shape, shard shape, itemsize, shard coordinates.
+_LayoutKey = tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...], int, tuple[int, ...]]
+
+
 @functools.lru_cache(maxsize=256)
-def _tables(
-    shape: tuple[int, ...],
-    chunk: tuple[int, ...],
-    shard_shape: tuple[int, ...],
-    item: int,
-    shard: tuple[int, ...],
-) -> _ShardTables:
-    layout = shard_layout(shape, chunk, shard_shape, item, shard)
+def _tables(key: _LayoutKey) -> _ShardTables:
+    layout = shard_layout(*key)
+    shape, chunk = key[0], key[1]
     stored = layout.chunk_nbytes + CRC_BYTES
     entries = np.full((*layout.chunks_per_shard, 2), ABSENT, dtype="<u8")
     for slot in layout.slots:
