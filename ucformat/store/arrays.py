@@ -47,7 +47,6 @@ __all__ = [
     "create_arrays",
     "create_root_group",
     "metadata_documents",
-    "write_array_metadata",
     "write_objects",
     "expected_metadata",
     "open_array",
@@ -100,14 +99,10 @@ def create_array(store: Store, ref: ArrayRef) -> zarr.Array[Any]:
 
 
 def create_arrays(store: Store, refs: Sequence[ArrayRef]) -> list[zarr.Array[Any]]:
-    """Create every array of ``refs`` at once (:func:`write_array_metadata`); write no chunks."""
-    write_array_metadata(store, refs)
-    return [array_from_manifest(store, ref) for ref in refs]
-
-
-def write_array_metadata(store: Store, refs: Sequence[ArrayRef]) -> None:
-    """Write the metadata objects of every array of ``refs`` (:func:`metadata_documents`)."""
+    """Create every array of ``refs`` at once (:func:`metadata_documents`, written by
+    :func:`write_objects`); write no chunks."""
     write_objects(store, metadata_documents(refs))
+    return [array_from_manifest(store, ref) for ref in refs]
 
 
 def metadata_documents(refs: Sequence[ArrayRef]) -> dict[str, bytes]:
@@ -136,18 +131,16 @@ def write_objects(store: Store, objects: dict[str, bytes]) -> None:
     journal on a busy disk); any other store gets them concurrently in one event-loop round.
     """
 
-    def put(item: tuple[str, bytes]) -> bool:
+    def put(item: tuple[str, bytes]) -> None:
         with local_object(store, item[0]) as fd:
-            if fd is None:
-                return False
+            assert fd is not None  # a writable local store: local_object_root said so
             pwrite_all(fd, memoryview(item[1]), 0)
-            return True
 
     with store_writes(store, "writing the array metadata"):
         if local_object_root(store) is not None:
             with ThreadPoolExecutor(max_workers=OBJECT_WRITERS) as pool:
-                if all(pool.map(put, objects.items())):
-                    return
+                list(pool.map(put, objects.items()))
+            return
         prototype = default_buffer_prototype()
 
         async def write_all() -> None:

@@ -337,9 +337,11 @@ def write_spread(
             failure = exc
     settle(failure, group, where, cleanup=lambda: _discard(rank, store, created))
 
-    try:  # the objects rank 0 writes meanwhile, opened without reading them
+    share: dict[str, bytes] = {}
+    try:  # the arrays whose metadata the ranks write meanwhile, opened without reading it
         arrays = [array_from_manifest(store, ref) for ref in plan.arrays]
         runs = _remote_runs(plan, writers)
+        share = _metadata_share(plan, group)
     except Exception as exc:
         failure, arrays, runs = exc, [], [[] for _ in plan.units]
     exchanged = [index for index, unit_runs in enumerate(runs) if unit_runs]
@@ -348,7 +350,7 @@ def write_spread(
     writes = _BackgroundWrites(plan, arrays, workers, report, writeback=fsync)
     try:
         if failure is None:  # this rank's share of the metadata, beside the shards
-            writes.beside(lambda: write_objects(store, _metadata_share(plan, group)))
+            writes.beside(lambda: write_objects(store, share))
         if failure is None:  # this rank's own units, written while the rounds exchange
             writes.submit(mine, progress)
         # Half the budget per round: one round is exchanged while the previous one is written.
@@ -366,7 +368,7 @@ def write_spread(
         try:
             if fsync:
                 mine_all = [u for i, u in enumerate(plan.units) if writers[i] == rank]
-                _flush(plan, store, mine_all, group)
+                _flush(plan, store, mine_all, list(share), group)
             if before_commit is not None:
                 before_commit()
         except Exception as exc:
@@ -386,11 +388,13 @@ def write_spread(
     return report
 
 
-def _flush(plan: ConvertPlan, store: Store, units: Sequence[WriteUnit], group: Group) -> None:
+def _flush(
+    plan: ConvertPlan, store: Store, units: Sequence[WriteUnit], metadata: list[str], group: Group
+) -> None:
     """Make what this rank wrote durable (a local store), every rank at once, before agreeing.
 
-    Each rank fsyncs the shard objects of ``units`` (those it wrote), its share of the
-    metadata objects (:func:`_metadata_share`) and every directory above them; rank 0 also the
+    Each rank fsyncs the shard objects of ``units`` (those it wrote), the ``metadata`` keys
+    it wrote (its :func:`_metadata_share`) and every directory above them; rank 0 also the
     root group's ``zarr.json``. The commit then fsyncs only the manifest and the root
     (``commit_manifest(objects_synced=True)``; docs/format.md §6, "Durability").
     """
@@ -406,7 +410,7 @@ def _flush(plan: ConvertPlan, store: Store, units: Sequence[WriteUnit], group: G
     for unit in units:
         ref = plan.arrays[unit.array]
         keys.append(shard_object_key(ref.path, shard_of(ref, unit) if ref.shape else ()))
-    keys += _metadata_share(plan, group)
+    keys += metadata
     if group.rank == 0:
         keys.append(ROOT_KEY)
     sync_written(root.parent, dict.fromkeys(keys))
