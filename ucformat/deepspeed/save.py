@@ -31,6 +31,7 @@ from ucformat.deepspeed.source import describe_live
 from ucformat.errors import UnsupportedCheckpointError
 from ucformat.format.models import CheckpointManifest
 from ucformat.store.keys import StoreLike
+from ucformat.sysio.collector import collection_paused
 from ucformat.write import background
 from ucformat.write.execute import DEFAULT_WORKERS
 from ucformat.write.live_save import LiveSave, LiveTarget, prepare_live_save, write_live_save
@@ -177,14 +178,15 @@ def save(
     """
     started = time.perf_counter()
     background.wait_for_pending()
-    prepared = _prepare(
-        engine, store, client_state, copy_all=False, tag=tag, chunk_bytes=chunk_bytes,
-        shard_bytes=shard_bytes, compressor=compressor,
-    )  # fmt: skip
-    return _write(
-        prepared, overwrite=overwrite, workers=workers, exchange_budget=exchange_budget,
-        fsync=fsync, started=started, blocked=None,
-    )  # fmt: skip
+    with collection_paused():
+        prepared = _prepare(
+            engine, store, client_state, copy_all=False, tag=tag, chunk_bytes=chunk_bytes,
+            shard_bytes=shard_bytes, compressor=compressor,
+        )  # fmt: skip
+        return _write(
+            prepared, overwrite=overwrite, workers=workers, exchange_budget=exchange_budget,
+            fsync=fsync, started=started, blocked=None,
+        )  # fmt: skip
 
 
 def save_async(
@@ -222,10 +224,11 @@ def save_async(
     """
     started = time.perf_counter()
     background.wait_for_pending()
-    prepared = _prepare(
-        engine, store, client_state, copy_all=True, tag=tag, chunk_bytes=chunk_bytes,
-        shard_bytes=shard_bytes, compressor=compressor,
-    )  # fmt: skip
+    with collection_paused():
+        prepared = _prepare(
+            engine, store, client_state, copy_all=True, tag=tag, chunk_bytes=chunk_bytes,
+            shard_bytes=shard_bytes, compressor=compressor,
+        )  # fmt: skip
     blocked = time.perf_counter() - started
     return background.start(
         lambda: _write(

@@ -66,6 +66,7 @@ from ucformat.sources.base import (
     scalar_state,
 )
 from ucformat.store.keys import StoreLike
+from ucformat.sysio.collector import collection_paused
 from ucformat.torch.dtensor import (
     LocalShard,
     is_dtensor,
@@ -362,14 +363,15 @@ def save(
         >>> ucformat.torch.save(model, optimizer, "ckpt.ucf")  # doctest: +SKIP
     """
     background.wait_for_pending()
-    prepared = _prepare(
-        model, optimizer, store, scheduler=scheduler, client_state=client_state,
-        chunk_bytes=chunk_bytes, shard_bytes=shard_bytes, copy_all=False,
-    )  # fmt: skip
-    return _write(
-        prepared, overwrite=overwrite, workers=workers, exchange_budget=exchange_budget,
-        fsync=fsync,
-    )  # fmt: skip
+    with collection_paused():
+        prepared = _prepare(
+            model, optimizer, store, scheduler=scheduler, client_state=client_state,
+            chunk_bytes=chunk_bytes, shard_bytes=shard_bytes, copy_all=False,
+        )  # fmt: skip
+        return _write(
+            prepared, overwrite=overwrite, workers=workers, exchange_budget=exchange_budget,
+            fsync=fsync,
+        )  # fmt: skip
 
 
 def save_async(
@@ -402,10 +404,11 @@ def save_async(
         CollectiveError: a rank could not describe or copy its state (nothing was written).
     """
     background.wait_for_pending()
-    prepared = _prepare(
-        model, optimizer, store, scheduler=scheduler, client_state=client_state,
-        chunk_bytes=chunk_bytes, shard_bytes=shard_bytes, copy_all=True,
-    )  # fmt: skip
+    with collection_paused():
+        prepared = _prepare(
+            model, optimizer, store, scheduler=scheduler, client_state=client_state,
+            chunk_bytes=chunk_bytes, shard_bytes=shard_bytes, copy_all=True,
+        )  # fmt: skip
     return background.start(
         lambda: _write(
             prepared,

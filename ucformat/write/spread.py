@@ -40,6 +40,7 @@ from ucformat.format.dtypes import itemsize
 from ucformat.format.models import CheckpointManifest
 from ucformat.layout.ownership import exchange_rounds
 from ucformat.store.arrays import array_from_manifest, metadata_documents, write_objects
+from ucformat.store.direct.objects import make_folders
 from ucformat.store.lifecycle import discard_store, start_store
 from ucformat.store.manifest_io import ROOT_KEY, commit_manifest
 from ucformat.write.execute import DEFAULT_WORKERS, write_units
@@ -338,10 +339,14 @@ def write_spread(
     settle(failure, group, where, cleanup=lambda: _discard(rank, store, created))
 
     share: dict[str, bytes] = {}
+    ours: list[WriteUnit] = []
     try:  # the arrays whose metadata the ranks write meanwhile, opened without reading it
         arrays = [array_from_manifest(store, ref) for ref in plan.arrays]
         runs = _remote_runs(plan, writers)
         share = _metadata_share(plan, group)
+        # every folder this rank's objects lie in, before any byte is written (make_folders)
+        ours += [u for i, u in enumerate(plan.units) if writers[i] == rank]
+        make_folders(store, [*_shard_keys(plan, ours), *share])
     except Exception as exc:
         failure, arrays, runs = exc, [], [[] for _ in plan.units]
     exchanged = [index for index, unit_runs in enumerate(runs) if unit_runs]
@@ -367,8 +372,7 @@ def write_spread(
     if failure is None:
         try:
             if fsync:
-                mine_all = [u for i, u in enumerate(plan.units) if writers[i] == rank]
-                _flush(plan, store, mine_all, list(share), group)
+                _flush(plan, store, ours, list(share), group)
             if before_commit is not None:
                 before_commit()
         except Exception as exc:
@@ -398,22 +402,28 @@ def _flush(
     root group's ``zarr.json``. The commit then fsyncs only the manifest and the root
     (``commit_manifest(objects_synced=True)``; docs/format.md §6, "Durability").
     """
-    from ucformat.format.spec import shard_object_key
     from ucformat.store.direct.objects import local_file
     from ucformat.store.durable import sync_written
-    from ucformat.write.shard_encode import shard_of
 
     root = local_file(store, ROOT_KEY)
     if root is None:
         return
+    keys = [*_shard_keys(plan, units), *metadata]
+    if group.rank == 0:
+        keys.append(ROOT_KEY)
+    sync_written(root.parent, dict.fromkeys(keys))
+
+
+def _shard_keys(plan: ConvertPlan, units: Sequence[WriteUnit]) -> list[str]:
+    """The store keys of the shard objects ``units`` write."""
+    from ucformat.format.spec import shard_object_key
+    from ucformat.write.shard_encode import shard_of
+
     keys = []
     for unit in units:
         ref = plan.arrays[unit.array]
         keys.append(shard_object_key(ref.path, shard_of(ref, unit) if ref.shape else ()))
-    keys += metadata
-    if group.rank == 0:
-        keys.append(ROOT_KEY)
-    sync_written(root.parent, dict.fromkeys(keys))
+    return keys
 
 
 def _metadata_share(plan: ConvertPlan, group: Group) -> dict[str, bytes]:
