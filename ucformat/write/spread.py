@@ -339,14 +339,13 @@ def write_spread(
     settle(failure, group, where, cleanup=lambda: _discard(rank, store, created))
 
     share: dict[str, bytes] = {}
-    ours: list[WriteUnit] = []
+    shard_keys: list[str] = []  # of the shards this rank writes (folders made, then fsynced)
     try:  # the arrays whose metadata the ranks write meanwhile, opened without reading it
         arrays = [array_from_manifest(store, ref) for ref in plan.arrays]
         runs = _remote_runs(plan, writers)
         share = _metadata_share(plan, group)
-        # every folder this rank's objects lie in, before any byte is written (make_folders)
-        ours += [u for i, u in enumerate(plan.units) if writers[i] == rank]
-        make_folders(store, [*_shard_keys(plan, ours), *share])
+        shard_keys = _shard_keys(plan, [u for i, u in enumerate(plan.units) if writers[i] == rank])
+        make_folders(store, [*shard_keys, *share])  # before any byte is written
     except Exception as exc:
         failure, arrays, runs = exc, [], [[] for _ in plan.units]
     exchanged = [index for index, unit_runs in enumerate(runs) if unit_runs]
@@ -372,7 +371,7 @@ def write_spread(
     if failure is None:
         try:
             if fsync:
-                _flush(plan, store, ours, list(share), group)
+                _flush(store, [*shard_keys, *share], group)
             if before_commit is not None:
                 before_commit()
         except Exception as exc:
@@ -392,14 +391,12 @@ def write_spread(
     return report
 
 
-def _flush(
-    plan: ConvertPlan, store: Store, units: Sequence[WriteUnit], metadata: list[str], group: Group
-) -> None:
+def _flush(store: Store, keys: list[str], group: Group) -> None:
     """Make what this rank wrote durable (a local store), every rank at once, before agreeing.
 
-    Each rank fsyncs the shard objects of ``units`` (those it wrote), the ``metadata`` keys
-    it wrote (its :func:`_metadata_share`) and every directory above them; rank 0 also the
-    root group's ``zarr.json``. The commit then fsyncs only the manifest and the root
+    Each rank fsyncs the objects ``keys`` it wrote (its shards and its
+    :func:`_metadata_share`) and every directory above them; rank 0 also the root group's
+    ``zarr.json``. The commit then fsyncs only the manifest and the root
     (``commit_manifest(objects_synced=True)``; docs/format.md §6, "Durability").
     """
     from ucformat.store.direct.objects import local_file
@@ -408,9 +405,8 @@ def _flush(
     root = local_file(store, ROOT_KEY)
     if root is None:
         return
-    keys = [*_shard_keys(plan, units), *metadata]
     if group.rank == 0:
-        keys.append(ROOT_KEY)
+        keys = [*keys, ROOT_KEY]
     sync_written(root.parent, dict.fromkeys(keys))
 
 
