@@ -64,6 +64,43 @@ def test_one_process_writes_the_converted_store(tmp_path: Path, memory: bool) ->
     assert _objects(target) == _objects(reference)
 
 
+def test_rank_zero_makes_every_folder_once_before_any_object(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The store's folders are made in one call, at the start, and are all the folders the
+    committed store has (no writer makes one of its own)."""
+    import ucformat.store.direct.objects as objects
+    import ucformat.write.spread as spread
+
+    calls: list[set[str]] = []
+    made_late: list[Path] = []
+
+    def recording(store: object, keys: list[str]) -> int:
+        root = tmp_path / "spread.ucf"
+        calls.append({str(p.relative_to(root)) for p in root.rglob("*") if p.is_file()})
+        return objects.make_folders(store, keys)  # type: ignore[arg-type]
+
+    real_mkdir = Path.mkdir
+
+    def mkdir(self: Path, *args: object, **kwargs: object) -> None:
+        made_late.append(self)
+        real_mkdir(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(spread, "make_folders", recording)
+    monkeypatch.setattr(Path, "mkdir", mkdir)
+    with read_deepspeed_checkpoint(SOURCE) as source:
+        plan = plan_convert(source, convert_options(256, 1024))
+        target = tmp_path / "spread.ucf"
+        report = write_spread(
+            plan, open_store(target, read_only=False), writers=[0] * len(plan.units),
+            group=ALONE, where=str(target),
+        )  # fmt: skip
+    assert report.committed
+    assert len(calls) == 1
+    assert calls[0] <= {"zarr.json", ".ucformat.lock"}  # only the root group was written before
+    assert not [p for p in made_late if target in p.parents]  # no writer made a folder
+
+
 def test_existing_store_is_refused_in_one_process_with_its_own_error(tmp_path: Path) -> None:
     target = tmp_path / "spread.ucf"
     ucformat.convert(SOURCE, target)

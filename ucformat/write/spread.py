@@ -326,26 +326,26 @@ def write_spread(
 
     failure: BaseException | None = None
     created = False
-    if rank == 0:
-        try:
-            try:
-                created = start_store(store, overwrite, plan.manifest.format_version)
-            except StoreExistsError as exc:
-                if not overwrite_hint:
-                    raise
-                raise StoreExistsError(str(exc).replace("--overwrite", overwrite_hint)) from None
-        except Exception as exc:  # every rank must learn of it, whatever it is
-            failure = exc
+    documents: dict[str, bytes] = {}
+    try:
+        documents = metadata_documents(plan.arrays)  # every array's and group's zarr.json
+        if rank == 0:
+            created = _start(store, plan, overwrite, overwrite_hint)
+            # Every object's folder, made once by one process before any rank writes a byte
+            # (the others wait at the agreement below anyway; folders made by every rank at
+            # once contend for the same parents: docs/benchmarks.md).
+            make_folders(store, [*_shard_keys(plan, plan.units), *documents])
+    except Exception as exc:  # every rank must learn of it, whatever it is
+        failure = exc
     settle(failure, group, where, cleanup=lambda: _discard(rank, store, created))
 
     share: dict[str, bytes] = {}
-    shard_keys: list[str] = []  # of the shards this rank writes (folders made, then fsynced)
+    shard_keys: list[str] = []  # of the shards this rank writes (fsynced before the commit)
     try:  # the arrays whose metadata the ranks write meanwhile, opened without reading it
         arrays = [array_from_manifest(store, ref) for ref in plan.arrays]
         runs = _remote_runs(plan, writers)
-        share = _metadata_share(plan, group)
+        share = _metadata_share(documents, group)
         shard_keys = _shard_keys(plan, [u for i, u in enumerate(plan.units) if writers[i] == rank])
-        make_folders(store, [*shard_keys, *share])  # before any byte is written
     except Exception as exc:
         failure, arrays, runs = exc, [], [[] for _ in plan.units]
     exchanged = [index for index, unit_runs in enumerate(runs) if unit_runs]
@@ -391,6 +391,17 @@ def write_spread(
     return report
 
 
+def _start(store: Store, plan: ConvertPlan, overwrite: bool, hint: str) -> bool:
+    """Rank 0's :func:`start_store` (True if it created the store); ``hint`` replaces the CLI's
+    ``--overwrite`` in the message of an existing store."""
+    try:
+        return start_store(store, overwrite, plan.manifest.format_version)
+    except StoreExistsError as exc:
+        if not hint:
+            raise
+        raise StoreExistsError(str(exc).replace("--overwrite", hint)) from None
+
+
 def _flush(store: Store, keys: list[str], group: Group) -> None:
     """Make what this rank wrote durable (a local store), every rank at once, before agreeing.
 
@@ -422,11 +433,10 @@ def _shard_keys(plan: ConvertPlan, units: Sequence[WriteUnit]) -> list[str]:
     return keys
 
 
-def _metadata_share(plan: ConvertPlan, group: Group) -> dict[str, bytes]:
-    """The metadata objects (every array's and group's ``zarr.json``) this rank writes: every
-    ``world_size``-th of them, in plan order."""
-    documents = list(metadata_documents(plan.arrays).items())
-    return dict(documents[group.rank :: group.world_size])
+def _metadata_share(documents: dict[str, bytes], group: Group) -> dict[str, bytes]:
+    """The metadata objects (of ``documents``: every array's and group's ``zarr.json``, in plan
+    order) this rank writes: every ``world_size``-th of them."""
+    return dict(list(documents.items())[group.rank :: group.world_size])
 
 
 def _discard(rank: int, store: Store, created: bool) -> None:
