@@ -6,11 +6,12 @@ Launched by :mod:`tests.bench.save_bench` (``--fsdp``)::
 
 ``J``: ``{"size": "100m", "dir": "...", "result": "...", "repeat": 3}``. The benchmark decoder
 (:mod:`tests.bench.cases`, fp32) under ``fully_shard`` (each block, then the whole model),
-AdamW, one training step; then, ``repeat`` times in alternating order, each on an emptied
-destination and timed between barriers (slowest rank): ``ucformat.torch.save(model,
+AdamW, one training step; then, ``repeat`` times in alternating order, each timed between
+barriers (slowest rank): ``ucformat.torch.save(model,
 optimizer, DIR)`` and ``dcp.save({"model": get_model_state_dict(m), "optim":
 get_optimizer_state_dict(m, opt)}, checkpoint_id=DIR)`` (the state-dict calls included: both
-start from the live model); and the like-for-like pairs: ``ucformat.torch.save(...,
+start from the live model), each destination as the job's ``protocol`` says
+(:mod:`tests.bench.destinations`); and the like-for-like pairs: ``ucformat.torch.save(...,
 fsync=False)`` (ucformat fsyncs its store by default, ``dcp.save`` does not) and ``dcp.save``
 followed by an fsync of what it wrote (:mod:`tests.bench.durable`).
 """
@@ -19,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import statistics
 import sys
 import time
@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # repo root, for `
 import torch
 
 from tests.bench.cases import SIZES, BenchCase, Decoder, loss_fn, make_batch
+from tests.bench.destinations import Destinations, remove_outputs
 from tests.bench.durable import fsync_share
 
 
@@ -66,35 +67,35 @@ def main() -> int:
     out = Path(job["dir"])
     ucf, native = out / "fsdp.ucf", out / "fsdp.dcp"
 
-    def ucformat_save(fsync: bool = True) -> None:
-        ucformat.torch.save(model, optimizer, ucf, overwrite=True, fsync=fsync)
+    def ucformat_save(target: Path, fsync: bool = True) -> None:
+        ucformat.torch.save(model, optimizer, target, overwrite=True, fsync=fsync)
 
-    def dcp_save() -> None:
+    def dcp_save(target: Path) -> None:
         state = {
             "model": get_model_state_dict(model),
             "optim": get_optimizer_state_dict(model, optimizer),
         }
-        dcp.save(state, checkpoint_id=str(native))
+        dcp.save(state, checkpoint_id=str(target))
 
-    def dcp_save_fsync() -> None:
-        dcp_save()
+    def dcp_save_fsync(target: Path) -> None:
+        dcp_save(target)
         dist.barrier()
-        fsync_share(native, rank, world)
+        fsync_share(target, rank, world)
 
     runs: dict[str, list[float]] = {}
     pair: list[tuple[str, Any, Path]] = [
         ("ucformat.torch.save", ucformat_save, ucf),
         ("dcp.save", dcp_save, native),
-        ("ucformat.torch.save nofsync", lambda: ucformat_save(fsync=False), ucf),
+        ("ucformat.torch.save nofsync", lambda target: ucformat_save(target, fsync=False), ucf),
         ("dcp.save fsync", dcp_save_fsync, native),
     ]
+    places = Destinations(job.get("protocol", "fresh"), rank, job.get("not_before", 0.0))
     for index in range(int(job.get("repeat", 3))):
-        for name, action, folder in pair[:: -1 if index % 2 else 1]:
-            if rank == 0:
-                shutil.rmtree(folder, ignore_errors=True)
+        for name, action, base in pair[:: -1 if index % 2 else 1]:
+            target = places.next(base)  # fresh or emptied (the protocol)
             dist.barrier()
             started = time.perf_counter()
-            action()
+            action(target)
             seconds = torch.tensor([time.perf_counter() - started], dtype=torch.float64)
             dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
             runs.setdefault(name, []).append(float(seconds.item()))
@@ -110,8 +111,7 @@ def main() -> int:
             "times": {name: statistics.median(values) for name, values in runs.items()},
             "runs": runs, "bytes": sizes,
         }, indent=1))  # fmt: skip
-        for _, _, folder in pair:
-            shutil.rmtree(folder, ignore_errors=True)
+        remove_outputs(out, (ucf.name, native.name))
     dist.barrier()
     dist.destroy_process_group()
     return 0

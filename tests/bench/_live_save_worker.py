@@ -4,7 +4,8 @@ Launched by :mod:`tests.bench.save_bench` (one launch per world size)::
 
     DS_ACCELERATOR=cpu torchrun --nproc_per_node N tests/bench/_live_save_worker.py --jobs J
 
-``J``: ``{"case": {...}, "dir": "...", "result": "..."}``. After ``case.steps`` training steps,
+``J``: ``{"case": {...}, "dir": "...", "result": "...", "protocol": "fresh", "not_before": T}``
+(where each save goes: :mod:`tests.bench.destinations`). After ``case.steps`` training steps,
 each timed between barriers, slowest rank reported:
 
 * ``save_checkpoint``: ``engine.save_checkpoint(dir/native)`` (what ``ds_to_universal`` and
@@ -29,7 +30,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import statistics
 import sys
 import time
@@ -42,6 +42,7 @@ import torch
 
 from tests.bench._save_worker import SEED, initialize, setup_deepspeed
 from tests.bench.cases import TAG, BenchCase, loss_fn, make_batch
+from tests.bench.destinations import Destinations
 from tests.bench.durable import fsync_share
 
 
@@ -80,25 +81,26 @@ def main() -> int:
     repeat = int(job.get("repeat", 1))
     runs: dict[str, list[float]] = {}
 
-    def timed(name: str, action: object, clear: Path | None = None) -> object:
-        if clear is not None and rank == 0:  # every save starts on an empty destination
-            shutil.rmtree(clear, ignore_errors=True)
+    places = Destinations(job.get("protocol", "fresh"), rank, job.get("not_before", 0.0))
+
+    def timed(name: str, action: Any, base: Path | None = None) -> object:
+        target = None if base is None else places.next(base)  # fresh or emptied (protocol)
         dist.barrier()
         started = time.perf_counter()
-        result = action()  # type: ignore[operator]
+        result = action() if target is None else action(target)
         runs.setdefault(name, []).append(_slowest(time.perf_counter() - started))
         return result
 
     native, live = out / "native", out / "live.ucf"
     profile_dir = os.environ.get("UCFORMAT_BENCH_PROFILE")  # cProfile the first save, per rank
 
-    def save() -> object:
+    def save(target: Path) -> object:
         if not (profile_dir and "save" not in runs):
-            return ucformat.deepspeed.save(engine, live, overwrite=True)
+            return ucformat.deepspeed.save(engine, target, overwrite=True)
         import cProfile
 
         profiler = cProfile.Profile()
-        report = profiler.runcall(ucformat.deepspeed.save, engine, live, overwrite=True)
+        report = profiler.runcall(ucformat.deepspeed.save, engine, target, overwrite=True)
         profiler.dump_stats(str(Path(profile_dir) / f"save-rank{rank}.prof"))
         return report
 
@@ -112,11 +114,10 @@ def main() -> int:
         return sum(c.numel() * c.element_size() for c in copies)
 
     def save_async() -> object:
-        if rank == 0:
-            shutil.rmtree(out / "async.ucf", ignore_errors=True)
+        target = places.next(out / "async.ucf")
         dist.barrier()
         started = time.perf_counter()
-        handle = ucformat.deepspeed.save_async(engine, out / "async.ucf", overwrite=True)
+        handle = ucformat.deepspeed.save_async(engine, target, overwrite=True)
         runs.setdefault("save_async_blocked", []).append(_slowest(time.perf_counter() - started))
         _step(engine, case, case.steps, rank)  # training goes on while the store is written
         result = handle.result()
@@ -127,25 +128,25 @@ def main() -> int:
     for index in range(repeat):  # each pair in alternating order
         order = -1 if index % 2 else 1
 
-        def save_checkpoint() -> None:
+        def save_checkpoint(target: Path) -> None:
             engine.save_checkpoint(
-                str(native), tag=TAG, client_state={"universal_checkpoint_info": {}}
+                str(target), tag=TAG, client_state={"universal_checkpoint_info": {}}
             )
 
-        def save_checkpoint_fsync() -> None:
-            save_checkpoint()
+        def save_checkpoint_fsync(target: Path) -> None:
+            save_checkpoint(target)
             dist.barrier()  # every rank's files are written
-            fsync_share(native, rank, dist.get_world_size())
+            fsync_share(target, rank, dist.get_world_size())
 
         pair: list[tuple[str, Any, Path]] = [
             ("save_checkpoint", save_checkpoint, native),
             ("save", save, live),
-            ("save_nofsync", lambda: ucformat.deepspeed.save(
-                engine, live, overwrite=True, fsync=False), live),
+            ("save_nofsync", lambda target: ucformat.deepspeed.save(
+                engine, target, overwrite=True, fsync=False), live),
             ("save_checkpoint_fsync", save_checkpoint_fsync, native),
         ]  # fmt: skip
-        for name, action, clear in pair[::order]:
-            result = timed(name, action, clear)
+        for name, action, base in pair[::order]:
+            result = timed(name, action, base)
             if name == "save":
                 report = result
         for name in ("copy_floor", "save_async")[::order]:

@@ -13,8 +13,11 @@ and ``save_async`` on the same engine. Then, on the native checkpoint it wrote: 
 another, on the same machine; the source files are in the page cache (just written).
 
 ``--repeat N``: every pair (``save_checkpoint`` / ``save``, copy floor / ``save_async``) runs N
-times in alternating order on the same engine, each save on an emptied destination; the
-table gives medians and ratios. ``--s3`` also saves each engine with ``save`` and
+times in alternating order on the same engine; the table gives medians and ratios. Each save's
+destination follows ``--protocol`` (:mod:`tests.bench.destinations`): ``fresh`` (default), a new
+destination after ``os.sync``, nothing deleted while a launch runs, and each launch waits a
+minute after the previous one's files were deleted; ``delete``, one destination per kind emptied
+just before each save (the tables before stop 25). ``--s3`` also saves each engine with ``save`` and
 ``save_async`` to moto's local S3 server (:mod:`tests.s3server`; it holds the objects in
 memory, so keep the model small). ``--no-convert`` skips the converters; ``--fsdp`` adds, per
 world size, ``ucformat.torch.save`` against ``dcp.save`` of the same FSDP2 state
@@ -34,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from tests.bench.cases import TAG, BenchCase
+from tests.bench.destinations import PROTOCOLS, remove_outputs
 from tests.bench.measure import measure
 from tests.launch import REPO_ROOT, torchrun_command
 
@@ -56,15 +60,29 @@ def _torchrun(world: int, *args: str) -> list[str]:
     return torchrun_command(world, args)
 
 
+#: What a live-save launch leaves in its case folder (each also as ``<name>-<i>``).
+SAVE_OUTPUTS = ("native", "live.ucf", "async.ucf")
+
+
 def bench_case(
-    case: BenchCase, work: Path, *, repeat: int = 1, convert: bool = True, s3: str | None = None
+    case: BenchCase,
+    work: Path,
+    *,
+    repeat: int = 1,
+    convert: bool = True,
+    s3: str | None = None,
+    protocol: str = "fresh",
+    not_before: float = 0.0,
 ) -> dict[str, Any]:
-    """Run the live-save worker, then (``convert``) the converters, for one case."""
+    """Run the live-save worker, then (``convert``) the converters, for one case; the result
+    carries ``not_before`` for the next launch (:func:`tests.bench.destinations.remove_outputs`).
+    """
     out = work / case.name
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
     job = {"case": case.__dict__, "dir": str(out), "result": str(out / "result.json"),
-           "repeat": repeat, "s3": f"{s3}/{case.name}" if s3 else None}  # fmt: skip
+           "repeat": repeat, "s3": f"{s3}/{case.name}" if s3 else None,
+           "protocol": protocol, "not_before": not_before}  # fmt: skip
     (out / "job.json").write_text(json.dumps(job))
     load_before = _load()
     stats = measure(
@@ -81,8 +99,7 @@ def bench_case(
         p.stat().st_size for p in (out / "live.ucf").rglob("*") if p.is_file()
     )
     if not convert:
-        for folder in ("native", "live.ucf", "async.ucf"):
-            shutil.rmtree(out / folder, ignore_errors=True)
+        result["not_before"] = remove_outputs(out, SAVE_OUTPUTS)
         return result
     tools = {
         "ds_to_universal": [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal",
@@ -106,18 +123,27 @@ def bench_case(
         run = measure(cmd, env=_env(), cwd=REPO_ROOT, log=out / f"{name}.log", timeout_s=3600)
         result["times"][name] = run.wall_s if run.returncode == 0 else None
         result.setdefault("peak_rss", {})[name] = run.peak_rss
-    for folder in ("native", "universal", "c1.ucf", "c2.ucf", "i1.ucf", "i2.ucf", "live.ucf",
-                   "async.ucf"):  # fmt: skip
+    for folder in ("universal", "c1.ucf", "c2.ucf", "i1.ucf", "i2.ucf"):
         shutil.rmtree(out / folder, ignore_errors=True)  # keep the disk free between cases
+    result["not_before"] = remove_outputs(out, SAVE_OUTPUTS)
     return result
 
 
-def bench_fsdp(size: str, world: int, work: Path, *, repeat: int) -> dict[str, Any]:
+def bench_fsdp(
+    size: str,
+    world: int,
+    work: Path,
+    *,
+    repeat: int,
+    protocol: str = "fresh",
+    not_before: float = 0.0,
+) -> dict[str, Any]:
     """``ucformat.torch.save`` vs ``dcp.save`` of one FSDP2 state at ``world`` ranks."""
     out = work / f"fsdp-{size}-ws{world}"
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
-    job = {"size": size, "dir": str(out), "result": str(out / "result.json"), "repeat": repeat}
+    job = {"size": size, "dir": str(out), "result": str(out / "result.json"), "repeat": repeat,
+           "protocol": protocol, "not_before": not_before}  # fmt: skip
     (out / "job.json").write_text(json.dumps(job))
     load_before = _load()
     stats = measure(
@@ -128,6 +154,7 @@ def bench_fsdp(size: str, world: int, work: Path, *, repeat: int) -> dict[str, A
         raise RuntimeError(f"fsdp {size} ws{world}: worker failed, see {out / 'worker.log'}")
     result: dict[str, Any] = json.loads((out / "result.json").read_text())
     result["load"] = [load_before, _load()]
+    result["not_before"] = remove_outputs(out, ("fsdp.ucf", "fsdp.dcp"))  # the worker's, if left
     return result
 
 
@@ -266,8 +293,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-convert", action="store_true")
     parser.add_argument("--fsdp", action="store_true")
     parser.add_argument("--s3", action="store_true", help="also save to the local S3 server")
+    parser.add_argument(
+        "--protocol", choices=PROTOCOLS, default="fresh",
+        help="fresh: every save to a new destination after os.sync, nothing deleted meanwhile; "
+        "delete: one destination per kind, emptied just before each save (tests/bench/"
+        "destinations.py)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     results, fsdp = [], []
+    not_before = 0.0  # a launch after a deletion waits for the freed inodes to age
     with contextlib.ExitStack() as stack:
         s3 = None
         if args.s3:
@@ -281,12 +315,16 @@ def main(argv: list[str] | None = None) -> int:
             for stage in args.stages:
                 case = BenchCase(args.size, stage, world_size=world)
                 result = bench_case(
-                    case, args.work, repeat=args.repeat, convert=not args.no_convert, s3=s3
-                )
+                    case, args.work, repeat=args.repeat, convert=not args.no_convert, s3=s3,
+                    protocol=args.protocol, not_before=not_before,
+                )  # fmt: skip
+                not_before = result["not_before"]
                 print(json.dumps(result), flush=True)
                 results.append(result)
             if args.fsdp:
-                fsdp.append(bench_fsdp(args.size, world, args.work, repeat=args.repeat))
+                fsdp.append(bench_fsdp(args.size, world, args.work, repeat=args.repeat,
+                                       protocol=args.protocol, not_before=not_before))  # fmt: skip
+                not_before = fsdp[-1]["not_before"]
                 print(json.dumps(fsdp[-1]), flush=True)
     (args.work / "results.json").write_text(json.dumps({"ds": results, "fsdp": fsdp}, indent=1))
     if not args.no_convert:
