@@ -327,25 +327,26 @@ def write_spread(
     failure: BaseException | None = None
     created = False
     documents: dict[str, bytes] = {}
+    shard_keys: list[str] = []  # of the shards this rank writes (fsynced before the commit)
     try:
         documents = metadata_documents(plan.arrays)  # every array's and group's zarr.json
+        keys = _shard_keys(plan, plan.units)
+        shard_keys = [key for key, writer in zip(keys, writers, strict=True) if writer == rank]
         if rank == 0:
             created = _start(store, plan, overwrite, overwrite_hint)
             # Every object's folder, made once by one process before any rank writes a byte
             # (the others wait at the agreement below anyway; folders made by every rank at
             # once contend for the same parents: docs/benchmarks.md).
-            make_folders(store, [*_shard_keys(plan, plan.units), *documents])
+            make_folders(store, [*keys, *documents])
     except Exception as exc:  # every rank must learn of it, whatever it is
         failure = exc
     settle(failure, group, where, cleanup=lambda: _discard(rank, store, created))
 
     share: dict[str, bytes] = {}
-    shard_keys: list[str] = []  # of the shards this rank writes (fsynced before the commit)
     try:  # the arrays whose metadata the ranks write meanwhile, opened without reading it
         arrays = [array_from_manifest(store, ref) for ref in plan.arrays]
         runs = _remote_runs(plan, writers)
         share = _metadata_share(documents, group)
-        shard_keys = _shard_keys(plan, [u for i, u in enumerate(plan.units) if writers[i] == rank])
     except Exception as exc:
         failure, arrays, runs = exc, [], [[] for _ in plan.units]
     exchanged = [index for index, unit_runs in enumerate(runs) if unit_runs]
