@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # repo root, for `
 import torch
 
 from tests.bench.cases import SIZES, BenchCase, Decoder, loss_fn, make_batch
-from tests.bench.destinations import Destinations, remove_outputs
+from tests.bench.destinations import Destinations
 from tests.bench.durable import fsync_share
 
 
@@ -111,7 +111,6 @@ def main() -> int:
             "times": {name: statistics.median(values) for name, values in runs.items()},
             "runs": runs, "bytes": sizes,
         }, indent=1))  # fmt: skip
-        remove_outputs(out, (ucf.name, native.name))
     dist.barrier()
     dist.destroy_process_group()
     return 0

@@ -154,7 +154,7 @@ def bench_fsdp(
         raise RuntimeError(f"fsdp {size} ws{world}: worker failed, see {out / 'worker.log'}")
     result: dict[str, Any] = json.loads((out / "result.json").read_text())
     result["load"] = [load_before, _load()]
-    result["not_before"] = remove_outputs(out, ("fsdp.ucf", "fsdp.dcp"))  # the worker's, if left
+    result["not_before"] = remove_outputs(out, ("fsdp.ucf", "fsdp.dcp"))  # what the worker saved
     return result
 
 
