@@ -127,6 +127,8 @@ def test_converted_dcp_store_holds_the_fsdp2_state(
     assert {f.name for f in src.files} == {".metadata", "__0_0.distcp", "__1_0.distcp"}
     if layout == "titan":
         assert manifest.client_state.values == {"train_state.step": 3}
+    # torchtitan's train_state.step, else the optimizer's steps (as ucformat.torch.save records)
+    assert manifest.progress.global_steps == max(int(v) for v in truth["step"].values()) == 3
     report = ucformat.verify(tmp_path / "s.ucf", against=source / layout)
     assert report.ok, report
 

@@ -40,6 +40,7 @@ __all__ = [
     "SourceFragment",
     "SourceParam",
     "frozen_param",
+    "optimizer_steps",
     "scalar_state",
     "split_state",
 ]
@@ -108,6 +109,16 @@ class SourceParam:
     group: int | None
     arrays: dict[str, ArraySource] = field(default_factory=dict)
     scalars: dict[str, ScalarState] = field(default_factory=dict)
+
+
+def optimizer_steps(params: Mapping[str, SourceParam]) -> int:
+    """The optimizer steps a checkpoint has taken, from its parameters' ``step`` states: the
+    largest (a parameter added to the optimizer later has fewer); 0 when none records one."""
+    steps = [
+        scalar.value for param in params.values() for key, scalar in param.scalars.items()
+        if key == "step" and not isinstance(scalar.value, bool)
+    ]  # fmt: skip
+    return int(max(steps, default=0))
 
 
 @dataclass

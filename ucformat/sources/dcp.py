@@ -250,7 +250,7 @@ class _Reader:
             buffers=buffers,
             tied={},
             optimizer=_optimizer_info(params, groups) if layout.optimizer_key else None,
-            progress=training_progress(client_state.values),
+            progress=training_progress(client_state.values, params),
             client_state=client_state,
             files=list(self.handles),
             closers=[self.close_descriptors],

@@ -21,6 +21,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ucformat.format.models import TrainingProgress
+from ucformat.sources.base import SourceParam, optimizer_steps
 
 __all__ = ["TRAIN_STEP_KEY", "training_progress"]
 
@@ -28,10 +29,14 @@ __all__ = ["TRAIN_STEP_KEY", "training_progress"]
 TRAIN_STEP_KEY = "train_state.step"
 
 
-def training_progress(client_values: Mapping[str, Any]) -> TrainingProgress:
-    """The progress a DCP folder's client state records: torchtitan's ``train_state.step``
-    (a non-negative int) as ``global_steps``; nothing (zeros) for any other checkpoint."""
+def training_progress(
+    client_values: Mapping[str, Any], params: Mapping[str, SourceParam] | None = None
+) -> TrainingProgress:
+    """The progress a DCP folder records: torchtitan's ``train_state.step`` (a non-negative
+    int in its client state) as ``global_steps``; else the optimizer's steps
+    (:func:`~ucformat.sources.base.optimizer_steps` of ``params``: what ``ucformat.torch.save``
+    records for the same state); else nothing (zeros)."""
     step = client_values.get(TRAIN_STEP_KEY)
     if isinstance(step, int) and not isinstance(step, bool) and step >= 0:
         return TrainingProgress(global_steps=step)
-    return TrainingProgress()
+    return TrainingProgress(global_steps=optimizer_steps(params or {}))

@@ -63,6 +63,7 @@ from ucformat.sources.base import (
     SourceCheckpoint,
     SourceFragment,
     SourceParam,
+    optimizer_steps,
     scalar_state,
 )
 from ucformat.store.keys import StoreLike
@@ -233,7 +234,6 @@ def _describe(
         model.parameters()
     )
     train_dtype = dtype_name(trainable_params[0].dtype) if trainable_params else "float32"
-    steps = [s.value for p in out.values() for k, s in p.scalars.items() if k == "step"]
     lr_scheduler = (
         None if scheduler is None else encode_exact(scheduler.state_dict(), "lr_scheduler")
     )
@@ -257,7 +257,7 @@ def _describe(
         tied=tied,
         optimizer=info,
         progress=TrainingProgress(
-            global_steps=int(max(steps, default=0)), lr_scheduler=lr_scheduler
+            global_steps=optimizer_steps(out), lr_scheduler=lr_scheduler
         ),
         client_state=encode_client_state((client_state or {}).items()),
     )

@@ -29,8 +29,24 @@ __all__ = [
     "ref_problems",
 ]
 
-#: Manifest fields that record how and where the store was written, not what it holds.
-PROVENANCE_FIELDS = ("created_by", "digest", "source.path")
+#: Manifest fields that record how and where the store was written, not what it holds: a store
+#: saved live by the training job (``written_by`` ``save``: no files, no file format) holds the
+#: same state as the checkpoint files the job wrote at the same step.
+PROVENANCE_FIELDS = (
+    "created_by",
+    "digest",
+    "source.path",
+    "source.written_by",
+    "source.checkpoint_format",
+    "source.files",
+)
+#: Source fields some checkpoint formats do not record, and the value the converter then gives
+#: them (DCP: no torch version, no device mesh): compared only when the source records them.
+UNRECORDED: dict[str, object] = {
+    "source.framework_version": "unknown",
+    "source.mesh_shape": None,
+    "source.mesh_dim_names": None,
+}
 
 
 @dataclass(frozen=True)
@@ -155,7 +171,8 @@ def manifest_differences(stored: CheckpointManifest, planned: CheckpointManifest
     """Fields of the stored manifest that differ from the one re-planned from the source.
 
     Chunk and shard shapes are taken from the store when re-planning, so they agree unless the
-    array sets differ; provenance fields (:data:`PROVENANCE_FIELDS`) are not compared.
+    array sets differ; provenance fields (:data:`PROVENANCE_FIELDS`) are not compared, nor
+    fields the source does not record (:data:`UNRECORDED`).
     """
     return [
         difference.describe("the store", "the source")
@@ -163,6 +180,9 @@ def manifest_differences(stored: CheckpointManifest, planned: CheckpointManifest
             stored.model_dump(mode="json"),
             planned.model_dump(mode="json"),
             ignore=PROVENANCE_FIELDS,
+        )
+        if not (
+            difference.field in UNRECORDED and difference.expected == UNRECORDED[difference.field]
         )
     ]
 
