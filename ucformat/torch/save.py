@@ -256,9 +256,7 @@ def _describe(
         buffers=buffers,
         tied=tied,
         optimizer=info,
-        progress=TrainingProgress(
-            global_steps=optimizer_steps(out), lr_scheduler=lr_scheduler
-        ),
+        progress=TrainingProgress(global_steps=optimizer_steps(out), lr_scheduler=lr_scheduler),
         client_state=encode_client_state((client_state or {}).items()),
     )
     return _Described(source_ckpt, rows, shapes)
