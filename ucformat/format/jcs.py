@@ -14,6 +14,7 @@ holding lone surrogates (not Unicode scalar values). Stdlib only.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -22,6 +23,8 @@ __all__ = ["MAX_SAFE_INTEGER", "CanonicalizationError", "canonicalize", "format_
 #: Largest integer every double-based JSON parser reads exactly (I-JSON, RFC 7493 §2.2).
 MAX_SAFE_INTEGER = 2**53 - 1
 
+#: A character :func:`_quote` must escape: ``"``, ``\\`` or a C0 control.
+_NEEDS_ESCAPE = re.compile(r'["\\\x00-\x1f]')
 _SHORT_ESCAPES = {'"': '\\"', "\\": "\\\\", "\b": "\\b", "\f": "\\f", "\n": "\\n", "\r": "\\r",
                   "\t": "\\t"}  # fmt: skip
 
@@ -95,6 +98,8 @@ def _utf16_units(name: str) -> bytes:
 
 def _quote(text: str) -> str:
     """A JSON string literal: only ``"``, ``\\`` and C0 controls escaped (RFC 8785 §3.2.2.2)."""
+    if _NEEDS_ESCAPE.search(text) is None:  # most names: nothing to escape
+        return '"' + text + '"'
     pieces = ['"']
     for char in text:
         escaped = _SHORT_ESCAPES.get(char)

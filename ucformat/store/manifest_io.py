@@ -114,6 +114,7 @@ def commit_manifest(
     *,
     durable: bool = True,
     objects_synced: bool = False,
+    digest: str | None = None,
 ) -> CheckpointManifest:
     """Stamp ``manifest`` with its digest and write it as the store's last object.
 
@@ -123,7 +124,8 @@ def commit_manifest(
     cannot leave a committed manifest whose shards were lost. Other stores get one ``set``.
     ``objects_synced``: the writers have already made every object and directory of the store
     durable (:func:`ucformat.store.durable.sync_written`, a distributed write, §6), so only
-    the manifest's own steps remain.
+    the manifest's own steps remain. ``digest``: :func:`manifest_digest` of ``manifest``, when
+    the writer computed it beforehand (while its shards were written).
     A staged local store is then swapped onto its destination (the previous store, if any, is
     removed), and the destination's writer lock is released (docs/format.md §6).
     """
@@ -132,7 +134,9 @@ def commit_manifest(
     from ucformat.store.staged_local import StagedLocalStore, publish
     from ucformat.store.write_session import release_writer
 
-    stamped = manifest.model_copy(update={"digest": manifest_digest(manifest)})
+    if digest is None:
+        digest = manifest_digest(manifest)
+    stamped = manifest.model_copy(update={"digest": digest})
     payload = stamped.model_dump_json(indent=1).encode()
     path = local_file(store, MANIFEST_KEY) if durable else None
     try:

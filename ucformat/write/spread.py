@@ -18,7 +18,8 @@ naming it on the others: a live save). Each unit has exactly one writer, chosen 
    runs from the ranks that hold them to the writer, which writes those shards in the
    background too while the next round is exchanged (at most one round waits to be written);
 4. every rank fsyncs what it wrote (a local store) and agrees;
-5. rank 0 commits the manifest (:func:`ucformat.store.manifest_io.commit_manifest`).
+5. rank 0 commits the manifest (:func:`ucformat.store.manifest_io.commit_manifest`), whose
+   digest it computed beside the shard writes (the ranks all wait for the commit).
 
 A failure anywhere makes every rank raise the same
 :class:`~ucformat.errors.CollectiveError`; nothing is committed, and a local store that the
@@ -42,7 +43,7 @@ from ucformat.layout.ownership import exchange_rounds
 from ucformat.store.arrays import array_from_manifest, metadata_documents, write_objects
 from ucformat.store.direct.objects import make_folders
 from ucformat.store.lifecycle import discard_store, start_store
-from ucformat.store.manifest_io import ROOT_KEY, commit_manifest
+from ucformat.store.manifest_io import ROOT_KEY, commit_manifest, manifest_digest
 from ucformat.write.execute import DEFAULT_WORKERS, write_units
 from ucformat.write.plan import ConvertPlan, CopyItem, WriteUnit
 
@@ -353,9 +354,12 @@ def write_spread(
     needs = [sum(run.nbytes for run in runs[index]) for index in exchanged]
     mine = [u for i, u in enumerate(plan.units) if writers[i] == rank and not runs[i]]
     writes = _BackgroundWrites(plan, arrays, workers, report, writeback=fsync)
+    digest: Future[object] | None = None
     try:
         if failure is None:  # this rank's share of the metadata, beside the shards
             writes.beside(lambda: write_objects(store, share))
+        if failure is None and rank == 0:  # the manifest's digest, off the commit's path
+            digest = writes.beside(lambda: manifest_digest(plan.manifest))
         if failure is None:  # this rank's own units, written while the rounds exchange
             writes.submit(mine, progress)
         # Half the budget per round: one round is exchanged while the previous one is written.
@@ -382,8 +386,9 @@ def write_spread(
     if rank == 0:
         try:
             report.manifest = commit_manifest(
-                store, plan.manifest, durable=fsync, objects_synced=True
-            )
+                store, plan.manifest, durable=fsync, objects_synced=True,
+                digest=None if digest is None else str(digest.result()),
+            )  # fmt: skip
             report.committed = True
         except Exception as exc:
             failure = exc
@@ -539,10 +544,13 @@ class _BackgroundWrites:
         self._beside = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ucformat-meta")
         self._beside_jobs: list[Future[object]] = []
 
-    def beside(self, job: Callable[[], object]) -> None:
+    def beside(self, job: Callable[[], object]) -> Future[object]:
         """Run ``job`` on a thread of its own, beside the batches (the array metadata: many
-        small objects, whose file-system latency then overlaps the shard writes)."""
-        self._beside_jobs.append(self._beside.submit(job))
+        small objects, whose file-system latency then overlaps the shard writes); its future
+        (:meth:`wait` with ``keep=0`` waits for it and reports its failure)."""
+        future = self._beside.submit(job)
+        self._beside_jobs.append(future)
+        return future
 
     def submit(self, units: list[WriteUnit], progress: Callable[[int], None] | None = None) -> None:
         """Write ``units`` after the batches submitted before (an empty batch too: it is
