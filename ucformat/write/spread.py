@@ -31,7 +31,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
@@ -63,6 +63,8 @@ __all__ = [
     "holdings",
     "write_spread",
 ]
+
+_T = TypeVar("_T")
 
 #: What a rank may hold in received and to-be-sent bytes at a time, beyond its own tensors:
 #: rounds move at most half of it (all ranks together), one round being exchanged while the
@@ -354,7 +356,7 @@ def write_spread(
     needs = [sum(run.nbytes for run in runs[index]) for index in exchanged]
     mine = [u for i, u in enumerate(plan.units) if writers[i] == rank and not runs[i]]
     writes = _BackgroundWrites(plan, arrays, workers, report, writeback=fsync)
-    digest: Future[object] | None = None
+    digest: Future[str] | None = None
     try:
         if failure is None:  # this rank's share of the metadata, beside the shards
             writes.beside(lambda: write_objects(store, share))
@@ -387,7 +389,7 @@ def write_spread(
         try:
             report.manifest = commit_manifest(
                 store, plan.manifest, durable=fsync, objects_synced=True,
-                digest=None if digest is None else str(digest.result()),
+                digest=None if digest is None else digest.result(),
             )  # fmt: skip
             report.committed = True
         except Exception as exc:
@@ -542,9 +544,9 @@ class _BackgroundWrites:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ucformat-spread")
         self._pending: list[tuple[Future[None], list[WriteUnit]]] = []
         self._beside = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ucformat-meta")
-        self._beside_jobs: list[Future[object]] = []
+        self._beside_jobs: list[Future[Any]] = []
 
-    def beside(self, job: Callable[[], object]) -> Future[object]:
+    def beside(self, job: Callable[[], _T]) -> Future[_T]:
         """Run ``job`` on a thread of its own, beside the batches (the array metadata: many
         small objects, whose file-system latency then overlaps the shard writes); its future
         (:meth:`wait` with ``keep=0`` waits for it and reports its failure)."""
