@@ -181,7 +181,7 @@ def test_store_without_optimizer_state_is_refused(
     opened = ucformat.open(store)
     bare = opened.manifest.model_copy(update={"optimizer": None})
     monkeypatch.setattr(opened, "manifest", bare)
-    monkeypatch.setattr("ucformat.export._common.open_checkpoint", lambda _: opened)
+    monkeypatch.setattr("ucformat.export.common.open_checkpoint", lambda _: opened)
     result = invoke("export", "deepspeed", store, tmp_path / "o", "--world-size", 2, "--stage", 1)
     assert_user_error(result, "writes optimizer state, but this store has none")
     result = invoke("export", "deepspeed-universal", store, tmp_path / "o")

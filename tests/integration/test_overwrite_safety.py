@@ -25,7 +25,7 @@ from typer.testing import CliRunner
 from ucformat_cli.main import app
 
 import ucformat
-import ucformat.export._common as export_common
+import ucformat.export.common as export_common
 import ucformat.torch as uctorch
 import ucformat.write.convert
 from ucformat.errors import StoreBusyError, StoreWriteError

@@ -19,10 +19,11 @@ from ucformat.collective import Group, agree
 from ucformat.errors import DistributedWriteError, StoreExistsError
 from ucformat.sources.base import SourceCheckpoint
 from ucformat.sources.deepspeed.checkpoint import read_deepspeed_checkpoint
+from ucformat.sources.live import MemoryTensor, RemoteTensor
 from ucformat.store.keys import Store, open_store
 from ucformat.write.convert import convert_options
 from ucformat.write.plan import plan_convert
-from ucformat.write.spread import MemoryTensor, RemoteTensor, SpreadReport, write_spread
+from ucformat.write.spread import SpreadReport, write_spread
 
 SOURCE = (
     Path(__file__).resolve().parents[1] / "fixtures" / "data" / "z3-bf16-dsadam-ftb-ws4" / "ckpt"

@@ -12,15 +12,15 @@ import pytest
 
 from tests.helpers import array_ref, source_info
 from ucformat.errors import UnsupportedExportError
-from ucformat.export._common import parse_dtype, parse_size
-from ucformat.export._native_target import (
+from ucformat.export.common import parse_dtype, parse_size
+from ucformat.export.deepspeed_universal import plan_deepspeed_universal
+from ucformat.export.native_target import (
     BF16_OPTIMIZER,
     STAGE3_OPTIMIZER,
     ZERO_OPTIMIZER,
     native_target,
     plan_native,
 )
-from ucformat.export.deepspeed_universal import plan_deepspeed_universal
 from ucformat.export.safetensors import _shards, plan_safetensors
 from ucformat.format.models import (
     BufferEntry,

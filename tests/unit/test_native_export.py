@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 
 from ucformat.errors import StoreExistsError
-from ucformat.export import _native_export
-from ucformat.export._common import ExportHooks, Stopwatch
-from ucformat.export._native_export import NativeExport, run_native_export
+from ucformat.export import native_export
+from ucformat.export.common import ExportHooks, Stopwatch
+from ucformat.export.native_export import NativeExport, run_native_export
 
 
 @dataclass(frozen=True)
@@ -78,7 +78,7 @@ def test_a_dry_run_decides_the_tag_and_plans_for_it_but_writes_nothing(tmp_path:
 def test_a_write_fills_the_tag_folder_then_repoints_latest(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(_native_export, "deepspeed_classes", lambda target: f"classes:{target}")
+    monkeypatch.setattr(native_export, "deepspeed_classes", lambda target: f"classes:{target}")
     run = _run_folder(tmp_path)
     calls: list[Any] = []
     seen: list[int] = []

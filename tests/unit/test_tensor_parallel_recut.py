@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from ucformat.errors import UnsupportedExportError
-from ucformat.export._tp_layout import target_shard_maps, tp_grain_size
+from ucformat.export.tp_layout import target_shard_maps, tp_grain_size
 from ucformat.format.tensor_parallel import (
     AffinePiece,
     ParamSplit,

@@ -6,8 +6,8 @@ would write, taken from the engine itself, so that
 same plan and the same manifest (provenance aside). Every array's fragments are those of every
 rank, computed with :mod:`ucformat.layout.partition` from the engine's parameter order and world
 size (:mod:`ucformat.deepspeed.engine`): on this rank they point at its own tensors
-(:class:`~ucformat.write.spread.MemoryTensor`), for the others they name the rank holding
-them (:class:`~ucformat.write.spread.RemoteTensor`). What comes from where, as in the files:
+(:class:`~ucformat.sources.live.MemoryTensor`), for the others they name the rank holding
+them (:class:`~ucformat.sources.live.RemoteTensor`). What comes from where, as in the files:
 
 * trainable parameters: every rank's fp32 partitions and optimizer states (0-d states such as
   ``step`` become scalars);
@@ -47,8 +47,8 @@ from ucformat.sources.base import (
 )
 from ucformat.sources.deepspeed.checkpoint import _client_state, _optimizer_info
 from ucformat.sources.deepspeed.states import FlatStates
+from ucformat.sources.live import HostCopies, MemoryTensor, RemoteTensor
 from ucformat.sources.unwrap import unwrap_names
-from ucformat.write.spread import HostCopies, MemoryTensor, RemoteTensor
 
 __all__ = ["HostCopies", "describe_live"]
 

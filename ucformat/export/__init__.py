@@ -17,8 +17,8 @@ imported only when a DeepSpeed export actually writes files.
 
 from __future__ import annotations
 
-from ucformat.export._common import ExportHooks, ExportResult
 from ucformat.export.accelerate import export_accelerate
+from ucformat.export.common import ExportHooks, ExportResult
 from ucformat.export.dcp import export_dcp, plan_dcp
 from ucformat.export.deepspeed_native import export_deepspeed, plan_deepspeed
 from ucformat.export.deepspeed_universal import (

@@ -21,9 +21,9 @@ import shutil
 from pathlib import Path
 
 from ucformat.errors import StoreExistsError
-from ucformat.export._common import ExportHooks, ExportResult
-from ucformat.export._replace import transactional
+from ucformat.export.common import ExportHooks, ExportResult
 from ucformat.export.dcp import export_dcp
+from ucformat.export.replace import transactional
 from ucformat.read.checkpoint import UniversalCheckpoint
 from ucformat.store.keys import StoreLike
 

@@ -47,16 +47,16 @@ from typing import Any, Literal
 import torch
 
 from ucformat.errors import UnsupportedExportError
-from ucformat.export._common import (
+from ucformat.export.common import (
     ExportHooks,
     ExportResult,
     Stopwatch,
     open_store_arg,
     prepare_destination,
 )
-from ucformat.export._dcp_metadata import dcp_metadata
-from ucformat.export._replace import transactional
-from ucformat.export._url_target import export_to_url, is_url
+from ucformat.export.dcp_metadata import dcp_metadata
+from ucformat.export.replace import transactional
+from ucformat.export.url_target import export_to_url, is_url
 from ucformat.format.dtypes import itemsize, torch_dtype
 from ucformat.format.models import CheckpointManifest, ScalarState
 from ucformat.format.pyvalue import decode

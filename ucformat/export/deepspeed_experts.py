@@ -32,23 +32,23 @@ from typing import Any
 import torch
 
 from ucformat.errors import LayoutMismatchError, UnsupportedExportError
-from ucformat.export._common import (
+from ucformat.export.common import (
     ExportHooks,
     ExportResult,
     Stopwatch,
     atomic_torch_save,
     open_store_arg,
 )
-from ucformat.export._deepspeed_common import (
+from ucformat.export.deepspeed_common import (
     DeepSpeedClasses,
     build_loss_scaler,
     flat_group_step,
     model_states,
     module_state_dict,
 )
-from ucformat.export._native_export import NativeExport, run_native_export
-from ucformat.export._native_target import ZERO_OPTIMIZER, NativeTarget, native_target
-from ucformat.export._url_target import is_url
+from ucformat.export.native_export import NativeExport, run_native_export
+from ucformat.export.native_target import ZERO_OPTIMIZER, NativeTarget, native_target
+from ucformat.export.url_target import is_url
 from ucformat.format.models import CheckpointManifest
 from ucformat.format.pyvalue import decode
 from ucformat.format.spec import FP32_STATE

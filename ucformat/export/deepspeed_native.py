@@ -10,13 +10,13 @@ users resume at a new size without code changes.
 
 Algorithm:
 
-1. :func:`~ucformat.export._native_target.native_target` derives the target job from the
+1. :func:`~ucformat.export.native_target.native_target` derives the target job from the
    options and the DeepSpeed config (the source's unless given), and
-   :func:`~ucformat.export._native_target.plan_native` computes every flat buffer's layout at
+   :func:`~ucformat.export.native_target.plan_native` computes every flat buffer's layout at
    the new world size with :mod:`ucformat.layout.partition` (pure; ``--dry-run`` stops here).
 2. The model-states file(s) are written, then one optimizer-states file per rank, each built
    from exactly the flat ranges that rank owns, then ``latest`` (last, as the commit); the
-   steps around the files are :func:`~ucformat.export._native_export.run_native_export`'s.
+   steps around the files are :func:`~ucformat.export.native_export.run_native_export`'s.
 
 Differences from a DeepSpeed-written checkpoint, none of which DeepSpeed reads: ZeRO-3 padding
 is zeros instead of uninitialised memory; the ``module`` dict lists parameters, then buffers,
@@ -32,26 +32,26 @@ from typing import Any
 
 import torch
 
-from ucformat.export._common import (
+from ucformat.export.common import (
     ExportHooks,
     ExportResult,
     Stopwatch,
     atomic_torch_save,
     open_store_arg,
 )
-from ucformat.export._deepspeed_common import (
+from ucformat.export.deepspeed_common import (
     DeepSpeedClasses,
     build_loss_scaler,
     group_shapes,
     model_states,
     module_state_dict,
 )
-from ucformat.export._native_export import NativeExport, run_native_export
-from ucformat.export._native_files import RankFiles, frozen_fragments
-from ucformat.export._native_target import NativePlan, native_target, plan_native
-from ucformat.export._replace import transactional
 from ucformat.export.deepspeed_experts import export_deepspeed_experts
 from ucformat.export.hf_trainer import trainer_notes
+from ucformat.export.native_export import NativeExport, run_native_export
+from ucformat.export.native_files import RankFiles, frozen_fragments
+from ucformat.export.native_target import NativePlan, native_target, plan_native
+from ucformat.export.replace import transactional
 from ucformat.format.models import CheckpointManifest
 from ucformat.format.summary import format_bytes
 from ucformat.read.checkpoint import UniversalCheckpoint

@@ -9,7 +9,7 @@ checkpoint of that rank's *shards* (``mp_rank_{t:02d}_model_states.pt``, at ZeRO
 layout restores it.
 
 The shard geometry at degree ``T`` comes from the split rules the manifest records
-(:mod:`ucformat.export._tp_layout`): the recorded shards when the store was converted at tp
+(:mod:`ucformat.export.tp_layout`): the recorded shards when the store was converted at tp
 ``T``; at another degree each parameter is cut again by its recorded rule (replicated; split on a
 dim, per sub-parameter, near-even); at tp 1 every parameter is whole. A store without a
 ``tensor_parallel`` section can take the rules of another store (``tp_layout``). What the rules
@@ -29,18 +29,18 @@ from typing import Any, cast
 import torch
 
 from ucformat.errors import StoreExistsError, UnsupportedExportError
-from ucformat.export._common import atomic_torch_save, atomic_write_bytes, open_store_arg
-from ucformat.export._deepspeed_common import (
+from ucformat.export.common import atomic_torch_save, atomic_write_bytes, open_store_arg
+from ucformat.export.deepspeed_common import (
     build_loss_scaler,
     deepspeed_classes,
     group_shapes,
     model_states,
     module_state_dict,
 )
-from ucformat.export._native_files import RankFiles
-from ucformat.export._native_target import NativeTarget, native_target, plan_native
-from ucformat.export._replace import transactional
-from ucformat.export._tp_layout import target_shard_maps, tp_grain_size
+from ucformat.export.native_files import RankFiles
+from ucformat.export.native_target import NativeTarget, native_target, plan_native
+from ucformat.export.replace import transactional
+from ucformat.export.tp_layout import target_shard_maps, tp_grain_size
 from ucformat.format.models import CheckpointManifest
 from ucformat.layout.tensor_parallel import ShardMap
 from ucformat.read.checkpoint import UniversalCheckpoint

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from ucformat.errors import UnsupportedExportError
-from ucformat.export._common import (
+from ucformat.export.common import (
     ExportHooks,
     ExportResult,
     Stopwatch,
@@ -39,7 +39,7 @@ from ucformat.export._common import (
     open_store_arg,
     prepare_destination,
 )
-from ucformat.export._deepspeed_common import (
+from ucformat.export.deepspeed_common import (
     DeepSpeedClasses,
     build_loss_scaler,
     deepspeed_classes,
@@ -50,8 +50,8 @@ from ucformat.export._deepspeed_common import (
     module_state_dict,
     require_optimizer,
 )
-from ucformat.export._replace import transactional
-from ucformat.export._url_target import export_to_url, is_url
+from ucformat.export.replace import transactional
+from ucformat.export.url_target import export_to_url, is_url
 from ucformat.format.models import CheckpointManifest
 from ucformat.format.pyvalue import decode
 from ucformat.format.spec import FP32_STATE, STEP_STATE

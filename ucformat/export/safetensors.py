@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from ucformat.errors import UnsupportedExportError
-from ucformat.export._common import (
+from ucformat.export.common import (
     ExportHooks,
     ExportResult,
     Stopwatch,
@@ -45,9 +45,9 @@ from ucformat.export._common import (
     parse_size,
     prepare_destination,
 )
-from ucformat.export._replace import transactional
-from ucformat.export._url_target import export_to_url, is_url
 from ucformat.export.hf_names import HF_LLAMA, NAMINGS, hf_llama_tensors, llama_config
+from ucformat.export.replace import transactional
+from ucformat.export.url_target import export_to_url, is_url
 from ucformat.format.dtypes import itemsize, torch_dtype
 from ucformat.format.models import CheckpointManifest
 from ucformat.format.spec import BUFFER_STATE, FP32_STATE

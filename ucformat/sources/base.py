@@ -50,7 +50,7 @@ class FragmentTensor(Protocol):
     """What the writer needs of a fragment's tensor.
 
     A :class:`~ucformat.sources.torchfile.TensorRef` (bytes in a file), or a tensor in memory
-    (a live save: :class:`ucformat.write.spread.MemoryTensor`).
+    (a live save: :class:`ucformat.sources.live.MemoryTensor`).
     """
 
     @property

@@ -10,8 +10,8 @@ same write engine as ``ucformat.deepspeed.save`` (:mod:`ucformat.write.spread`):
    owners' runs of flat elements (one replica each, any placements:
    :func:`ucformat.layout.placements.run_owners`; a ``Shard(0)`` shard is one run, a
    ``Shard(1)`` column block one per row), this rank's read from a
-   :class:`~ucformat.write.spread.MemoryTensor` (its local shard, in host memory), the others'
-   :class:`~ucformat.write.spread.RemoteTensor`;
+   :class:`~ucformat.sources.live.MemoryTensor` (its local shard, in host memory), the others'
+   :class:`~ucformat.sources.live.RemoteTensor`;
 2. plan the store with the converter's planner (:func:`ucformat.write.plan.plan_convert`),
    chunked so shards end on owner boundaries where chunks stay large
    (:func:`~ucformat.layout.chunking.aligned_chunking`);
@@ -66,6 +66,7 @@ from ucformat.sources.base import (
     optimizer_steps,
     scalar_state,
 )
+from ucformat.sources.live import HostCopies, MemoryTensor, RemoteTensor
 from ucformat.store.keys import StoreLike
 from ucformat.sysio.collector import collection_paused
 from ucformat.torch.dtensor import (
@@ -81,12 +82,7 @@ from ucformat.write.convert import convert_options
 from ucformat.write.execute import DEFAULT_WORKERS
 from ucformat.write.live_save import LiveSave, LiveTarget, prepare_live_save, write_live_save
 from ucformat.write.plan import ConvertPlan, plan_convert
-from ucformat.write.spread import (
-    DEFAULT_EXCHANGE_BUDGET,
-    HostCopies,
-    MemoryTensor,
-    RemoteTensor,
-)
+from ucformat.write.spread import DEFAULT_EXCHANGE_BUDGET
 
 __all__ = ["save", "save_async"]
 

@@ -22,9 +22,10 @@ from typing import Any
 
 from ucformat.collective import Group, group, settle
 from ucformat.layout.ownership import writers_by_holdings
+from ucformat.sources.live import HostCopies
 from ucformat.store.keys import StoreLike, open_store
 from ucformat.write.plan import ConvertPlan
-from ucformat.write.spread import HostCopies, SpreadReport, holdings, write_spread
+from ucformat.write.spread import SpreadReport, holdings, write_spread
 
 __all__ = ["LiveSave", "LiveTarget", "prepare_live_save", "write_live_save"]
 

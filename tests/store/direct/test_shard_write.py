@@ -89,7 +89,7 @@ def _random_case(rng: random.Random) -> tuple[tuple[int, ...], str, ChunkPolicy]
 def test_encoded_shards_equal_zarr_writes(seed: int, live: bool) -> None:
     """Also from a live save's :class:`MemoryTensor`, whose box chunks are cut straight out of
     its memory (no staging band)."""
-    from ucformat.write.spread import MemoryTensor
+    from ucformat.sources.live import MemoryTensor
 
     rng = random.Random(seed)
     storage = {"float32": "<f4", "bfloat16": "<u2", "int64": "<i8", "uint8": "u1"}
@@ -163,7 +163,7 @@ def test_larger_box_shards_equal_zarr_writes(
 ) -> None:  # fmt: skip
     """Box chunks cut from matrices with hundreds of chunks per shard (the encoder copies whole
     chunks in batches and edge chunks one by one), streamed through windows: zarr's bytes."""
-    from ucformat.write.spread import MemoryTensor
+    from ucformat.sources.live import MemoryTensor
 
     values = (np.arange(prod(shape), dtype=np.int64) * 7919 % 65521).astype("<f4")
     shard = (shard_rows, shape[1] + (-shape[1]) % chunk[1])

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from ucformat.errors import StoreAccessError, StoreExistsError, StoreWriteError, UCFormatError
-from ucformat.export._common import ExportResult
+from ucformat.export.common import ExportResult
 from ucformat.store.locations import local_directory
 
 __all__ = ["export_to_url", "is_url"]

@@ -4,8 +4,8 @@ A native export (the dense one, :mod:`ucformat.export.deepspeed_native`, and the
 :mod:`ucformat.export.deepspeed_experts`) goes into a DeepSpeed run folder:
 
 1. a URL destination is written into a local staging folder, then uploaded
-   (:mod:`ucformat.export._url_target`);
-2. :func:`~ucformat.export._run_folder.plan_destination` decides the tag and checks the folder;
+   (:mod:`ucformat.export.url_target`);
+2. :func:`~ucformat.export.run_folder.plan_destination` decides the tag and checks the folder;
 3. the target plans its files for that tag (pure: a dry run stops here);
 4. DeepSpeed's classes are imported, the tag folder is prepared, the target writes its files
    into it, then ``latest`` is written (last, as the commit) and the previous tag removed if
@@ -22,16 +22,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Generic, Protocol, TypeVar
 
-from ucformat.export._common import ExportHooks, ExportResult, Stopwatch, atomic_write_bytes
-from ucformat.export._deepspeed_common import DeepSpeedClasses, deepspeed_classes
-from ucformat.export._native_target import NativeTarget
-from ucformat.export._run_folder import (
+from ucformat.export.common import ExportHooks, ExportResult, Stopwatch, atomic_write_bytes
+from ucformat.export.deepspeed_common import DeepSpeedClasses, deepspeed_classes
+from ucformat.export.native_target import NativeTarget
+from ucformat.export.run_folder import (
     Destination,
     finish_destination,
     plan_destination,
     prepare_folder,
 )
-from ucformat.export._url_target import export_to_url, is_url
+from ucformat.export.url_target import export_to_url, is_url
 from ucformat.read.checkpoint import UniversalCheckpoint
 from ucformat.sources.deepspeed.files import LATEST_FILE
 
@@ -93,11 +93,11 @@ def run_native_export(
     """Export ``ckpt`` to ``out`` (a run folder or a URL) with ``export``'s plan and files.
 
     ``world_size`` and ``stage`` name a derived tag
-    (:func:`~ucformat.export._run_folder.derived_tag`); the other options are those of
+    (:func:`~ucformat.export.run_folder.derived_tag`); the other options are those of
     :func:`ucformat.export.export_deepspeed`. ``clock`` started when the export did.
 
     Raises:
-        StoreExistsError: see :func:`~ucformat.export._run_folder.plan_destination`.
+        StoreExistsError: see :func:`~ucformat.export.run_folder.plan_destination`.
         UnsupportedExportError: the plan refuses the target, or DeepSpeed is not importable.
     """
     if is_url(out):  # a fresh prefix: staged in a local folder, then uploaded

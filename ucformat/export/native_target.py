@@ -21,8 +21,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ucformat.errors import UnsupportedExportError
-from ucformat.export._common import parse_dtype
-from ucformat.export._deepspeed_common import flat_group_step, frozen_names, require_optimizer
+from ucformat.export.common import parse_dtype
+from ucformat.export.deepspeed_common import flat_group_step, frozen_names, require_optimizer
 from ucformat.format.dtypes import itemsize
 from ucformat.format.models import CheckpointManifest
 from ucformat.format.pyvalue import decode

@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
-from ucformat.export._deepspeed_common import DeepSpeedClasses, flat_group_step
-from ucformat.export._native_target import BF16_OPTIMIZER, FlatGroup, NativePlan
+from ucformat.export.deepspeed_common import DeepSpeedClasses, flat_group_step
+from ucformat.export.native_target import BF16_OPTIMIZER, FlatGroup, NativePlan
 from ucformat.format.dtypes import torch_dtype
 from ucformat.format.pyvalue import decode
 from ucformat.format.spec import FP32_STATE

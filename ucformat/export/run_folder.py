@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ucformat.errors import StoreExistsError, UnsupportedExportError
-from ucformat.export._replace import begin, remove_entry
+from ucformat.export.replace import begin, remove_entry
 
 __all__ = [
     "Destination",
@@ -143,7 +143,7 @@ def prepare_folder(dest: Destination) -> Path:
     dest.folder.mkdir(parents=True, exist_ok=True)
     tag_dir = dest.folder / dest.tag
     if tag_dir.is_symlink() or tag_dir.exists():
-        remove_entry(tag_dir)  # kept aside until the export completes (export/_replace.py)
+        remove_entry(tag_dir)  # kept aside until the export completes (export/replace.py)
     tag_dir.mkdir()
     return tag_dir
 

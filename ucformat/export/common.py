@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from ucformat.errors import StoreExistsError, UnsupportedExportError
-from ucformat.export._replace import begin, file_writes, remove_entry
+from ucformat.export.replace import begin, file_writes, remove_entry
 from ucformat.read.checkpoint import UniversalCheckpoint, open_checkpoint
 from ucformat.store.keys import StoreLike
 
@@ -169,7 +169,7 @@ def prepare_destination(
     begin(out)
     for child in children:
         if owned(child.name):
-            remove_entry(child)  # kept aside until the export completes (export/_replace.py)
+            remove_entry(child)  # kept aside until the export completes (export/replace.py)
     out.mkdir(parents=True, exist_ok=True)
 
 
