@@ -45,7 +45,9 @@ def _train(
 def test_save_then_load_resumes_exactly(tmp_path: Path, name: str, adamw: bool) -> None:
     model, optimizer = _run(name, 1, adamw)
     _train(model, optimizer, name, range(3))
-    manifest = uctorch.save(model, optimizer, tmp_path / "s", client_state={"iteration": 3})
+    report = uctorch.save(model, optimizer, tmp_path / "s", client_state={"iteration": 3})
+    manifest = report.manifest
+    assert report.committed and report.store == str(tmp_path / "s") and report.bytes_written > 0
     assert manifest.source.framework == "pytorch" and manifest.source.written_by == "save"
     assert manifest.source.world_size == 1 and manifest.source.mesh_shape is None
     assert ucformat.open(tmp_path / "s").manifest.digest == manifest.digest
@@ -99,7 +101,9 @@ def test_save_async_keeps_the_state_at_the_call_and_records_the_scheduler(
     handle = uctorch.save_async(model, optimizer, tmp_path / "a", scheduler=scheduler)
     _train(model, optimizer, "multi", range(3, 5))  # changes the live tensors meanwhile
     scheduler.step()
-    manifest = handle.result(timeout=120)
+    report = handle.result(timeout=120)
+    manifest = report.manifest
+    assert report.host_copy_bytes > 0 and report.blocked_seconds <= report.seconds
     assert handle.done() and manifest.progress.lr_scheduler is not None
     assert ucformat.open(tmp_path / "a").manifest.digest == manifest.digest
 
@@ -121,7 +125,7 @@ def test_save_async_keeps_the_state_at_the_call_and_records_the_scheduler(
     again = uctorch.save_async(model, optimizer, tmp_path / "b")
     uctorch.save(model, optimizer, tmp_path / "c")
     assert again.done()
-    assert again.result().progress.lr_scheduler is None
+    assert again.result().manifest.progress.lr_scheduler is None
     with pytest.raises(ModelMismatchError, match="no lr scheduler state"):
         uctorch.load(fresh, fresh_optimizer, tmp_path / "c", scheduler=fresh_scheduler)
     uctorch.load(fresh, fresh_optimizer, tmp_path / "c", scheduler=fresh_scheduler, strict=False)

@@ -23,44 +23,26 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
 from ucformat.deepspeed.engine import describe_engine
 from ucformat.deepspeed.source import describe_live
 from ucformat.errors import UnsupportedCheckpointError
-from ucformat.format.models import CheckpointManifest
 from ucformat.store.keys import StoreLike
 from ucformat.sysio.collector import collection_paused
 from ucformat.write import background
 from ucformat.write.execute import DEFAULT_WORKERS
-from ucformat.write.live_save import LiveSave, LiveTarget, prepare_live_save, write_live_save
+from ucformat.write.live_save import (
+    LiveSave,
+    LiveTarget,
+    SaveReport,
+    prepare_live_save,
+    write_live_save,
+)
 from ucformat.write.plan import ConvertPlan, plan_convert
 from ucformat.write.spread import DEFAULT_EXCHANGE_BUDGET
 
 __all__ = ["SaveHandle", "SaveReport", "save", "save_async"]
-
-
-@dataclass
-class SaveReport:
-    """What a save did on this rank."""
-
-    store: str
-    manifest: CheckpointManifest
-    #: True on the rank that committed the manifest (rank 0).
-    committed: bool
-    units_written: int
-    bytes_written: int
-    bytes_sent: int
-    bytes_received: int
-    exchange_rounds: int
-    #: Bytes this rank copied to host memory (``save_async``: all its partitions; ``save``:
-    #: only tensors that live on a device).
-    host_copy_bytes: int
-    #: Seconds the caller was blocked (``save``: the whole save; ``save_async``: the copy).
-    blocked_seconds: float
-    #: Seconds from the call to the commit.
-    seconds: float
 
 
 #: The handle :func:`save_async` returns (its ``result()`` is the :class:`SaveReport`).
@@ -99,36 +81,6 @@ def _prepare(
         return plan_convert(source, convert_options(chunk_bytes, shard_bytes, compressor))
 
     return prepare_live_save(store, api="ucformat.deepspeed.save", copy_all=copy_all, plan=plan)
-
-
-def _write(
-    prepared: LiveSave,
-    *,
-    overwrite: bool,
-    workers: int,
-    exchange_budget: int,
-    fsync: bool,
-    started: float,
-    blocked: float | None,
-) -> SaveReport:
-    spread = write_live_save(
-        prepared, overwrite=overwrite, workers=workers, exchange_budget=exchange_budget,
-        fsync=fsync,
-    )  # fmt: skip
-    seconds = time.perf_counter() - started
-    return SaveReport(
-        store=prepared.target.location,
-        manifest=spread.manifest or prepared.plan.manifest,
-        committed=spread.committed,
-        units_written=spread.units_written,
-        bytes_written=spread.bytes_written,
-        bytes_sent=spread.bytes_sent,
-        bytes_received=spread.bytes_received,
-        exchange_rounds=spread.exchange_rounds,
-        host_copy_bytes=prepared.target.copies.nbytes,
-        blocked_seconds=seconds if blocked is None else blocked,
-        seconds=seconds,
-    )
 
 
 def save(
@@ -183,7 +135,7 @@ def save(
             engine, store, client_state, copy_all=False, tag=tag, chunk_bytes=chunk_bytes,
             shard_bytes=shard_bytes, compressor=compressor,
         )  # fmt: skip
-        return _write(
+        return write_live_save(
             prepared, overwrite=overwrite, workers=workers, exchange_budget=exchange_budget,
             fsync=fsync, started=started, blocked=None,
         )  # fmt: skip
@@ -231,7 +183,7 @@ def save_async(
         )  # fmt: skip
     blocked = time.perf_counter() - started
     return background.start(
-        lambda: _write(
+        lambda: write_live_save(
             prepared,
             overwrite=overwrite,
             workers=workers,

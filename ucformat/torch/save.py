@@ -32,6 +32,7 @@ so ``ucformat.deepspeed.load`` and ``ucformat.torch.load`` resume from it at any
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
@@ -41,7 +42,6 @@ import torch
 from ucformat.collective import Group
 from ucformat.format.dtypes import dtype_name, itemsize, torch_dtype
 from ucformat.format.models import (
-    CheckpointManifest,
     OptimizerGroup,
     OptimizerInfo,
     SourceInfo,
@@ -80,7 +80,13 @@ from ucformat.torch.dtensor import (
 from ucformat.write import background
 from ucformat.write.convert import convert_options
 from ucformat.write.execute import DEFAULT_WORKERS
-from ucformat.write.live_save import LiveSave, LiveTarget, prepare_live_save, write_live_save
+from ucformat.write.live_save import (
+    LiveSave,
+    LiveTarget,
+    SaveReport,
+    prepare_live_save,
+    write_live_save,
+)
 from ucformat.write.plan import ConvertPlan, plan_convert
 from ucformat.write.spread import DEFAULT_EXCHANGE_BUDGET
 
@@ -294,16 +300,6 @@ def _prepare(
     return prepare_live_save(store, api="ucformat.torch.save", copy_all=copy_all, plan=plan)
 
 
-def _write(
-    prepared: LiveSave, *, overwrite: bool, workers: int, exchange_budget: int, fsync: bool
-) -> CheckpointManifest:
-    report = write_live_save(
-        prepared, overwrite=overwrite, workers=workers, exchange_budget=exchange_budget,
-        fsync=fsync,
-    )  # fmt: skip
-    return report.manifest or prepared.plan.manifest
-
-
 def save(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer | None,
@@ -317,7 +313,7 @@ def save(
     workers: int = DEFAULT_WORKERS,
     exchange_budget: int = DEFAULT_EXCHANGE_BUDGET,
     fsync: bool = True,
-) -> CheckpointManifest:
+) -> SaveReport:
     """Write a ucformat store from a live model and optimizer (FSDP2, HSDP, TP, plain).
 
     Under ``torch.distributed`` this is collective: call it on every rank with the same
@@ -344,7 +340,8 @@ def save(
             memory; a power loss may then lose a committed store).
 
     Returns:
-        The committed manifest.
+        This rank's :class:`~ucformat.write.live_save.SaveReport` (``.manifest``: the
+        committed manifest).
 
     Raises:
         StoreExistsError: (one process) ``store`` exists and ``overwrite`` is not set.
@@ -356,15 +353,16 @@ def save(
     Example:
         >>> ucformat.torch.save(model, optimizer, "ckpt.ucf")  # doctest: +SKIP
     """
+    started = time.perf_counter()
     background.wait_for_pending()
     with collection_paused():
         prepared = _prepare(
             model, optimizer, store, scheduler=scheduler, client_state=client_state,
             chunk_bytes=chunk_bytes, shard_bytes=shard_bytes, copy_all=False,
         )  # fmt: skip
-        return _write(
+        return write_live_save(
             prepared, overwrite=overwrite, workers=workers, exchange_budget=exchange_budget,
-            fsync=fsync,
+            fsync=fsync, started=started,
         )  # fmt: skip
 
 
@@ -381,7 +379,7 @@ def save_async(
     workers: int = DEFAULT_WORKERS,
     exchange_budget: int = DEFAULT_EXCHANGE_BUDGET,
     fsync: bool = True,
-) -> background.SaveHandle[CheckpointManifest]:
+) -> background.SaveHandle[SaveReport]:
     """Like :func:`save`, but return once this rank's state is copied to host memory.
 
     First waits for this process's previous ``save_async``. Then, in the calling thread: the
@@ -392,23 +390,28 @@ def save_async(
     Call ``handle.result()`` before ``torch.distributed.destroy_process_group``.
 
     Returns:
-        A handle; ``result()`` gives the committed manifest or raises the error.
+        A handle; ``result()`` gives the :class:`~ucformat.write.live_save.SaveReport` or
+        raises the error.
 
     Raises:
         CollectiveError: a rank could not describe or copy its state (nothing was written).
     """
+    started = time.perf_counter()
     background.wait_for_pending()
     with collection_paused():
         prepared = _prepare(
             model, optimizer, store, scheduler=scheduler, client_state=client_state,
             chunk_bytes=chunk_bytes, shard_bytes=shard_bytes, copy_all=True,
         )  # fmt: skip
+    blocked = time.perf_counter() - started
     return background.start(
-        lambda: _write(
+        lambda: write_live_save(
             prepared,
             overwrite=overwrite,
             workers=workers,
             exchange_budget=exchange_budget,
             fsync=fsync,
+            started=started,
+            blocked=blocked,
         )
     )

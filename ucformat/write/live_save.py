@@ -16,18 +16,45 @@ A binding only turns its framework's live state into a plan; the rest is the sam
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from ucformat.collective import Group, group, settle
+from ucformat.format.models import CheckpointManifest
 from ucformat.layout.ownership import writers_by_holdings
 from ucformat.sources.live import HostCopies
 from ucformat.store.keys import StoreLike, open_store
 from ucformat.write.plan import ConvertPlan
 from ucformat.write.spread import SpreadReport, holdings, write_spread
 
-__all__ = ["LiveSave", "LiveTarget", "prepare_live_save", "write_live_save"]
+__all__ = ["LiveSave", "LiveTarget", "SaveReport", "prepare_live_save", "write_live_save"]
+
+
+@dataclass
+class SaveReport:
+    """What a live save did on this rank: the one result of every ``save`` and ``save_async``
+    (``ucformat.deepspeed``, ``ucformat.torch``)."""
+
+    #: The store as the caller named it.
+    store: str
+    #: The committed manifest (rank 0), or the manifest this rank planned (the same content).
+    manifest: CheckpointManifest
+    #: True on the rank that committed the manifest (rank 0).
+    committed: bool
+    units_written: int
+    bytes_written: int
+    bytes_sent: int
+    bytes_received: int
+    exchange_rounds: int
+    #: Bytes this rank copied to host memory (``save_async``: everything it writes; ``save``:
+    #: only tensors that live on a device).
+    host_copy_bytes: int
+    #: Seconds the caller was blocked (``save``: the whole save; ``save_async``: the copy).
+    blocked_seconds: float
+    #: Seconds from the call to the commit.
+    seconds: float
 
 
 @dataclass(frozen=True)
@@ -85,11 +112,22 @@ def prepare_live_save(
 
 
 def write_live_save(
-    save: LiveSave, *, overwrite: bool, workers: int, exchange_budget: int, fsync: bool = True
-) -> SpreadReport:
-    """Write the prepared save spread over its ranks and commit once all agree (collective);
-    ``fsync``: make a local store durable before and at the commit (docs/format.md §6)."""
-    return write_spread(
+    save: LiveSave,
+    *,
+    overwrite: bool,
+    workers: int,
+    exchange_budget: int,
+    fsync: bool = True,
+    started: float,
+    blocked: float | None = None,
+) -> SaveReport:
+    """Write the prepared save spread over its ranks and commit once all agree (collective).
+
+    ``fsync``: make a local store durable before and at the commit (docs/format.md §6).
+    ``started``: the ``time.perf_counter()`` of the public call; ``blocked``: the seconds the
+    caller was blocked (``save_async``: its copy), or None when it waited for the whole save.
+    """
+    spread: SpreadReport = write_spread(
         save.plan,
         save.store,
         writers=save.writers,
@@ -100,4 +138,18 @@ def write_live_save(
         exchange_budget=exchange_budget,
         overwrite_hint="overwrite=True",
         fsync=fsync,
+    )
+    seconds = time.perf_counter() - started
+    return SaveReport(
+        store=save.target.location,
+        manifest=spread.manifest or save.plan.manifest,
+        committed=spread.committed,
+        units_written=spread.units_written,
+        bytes_written=spread.bytes_written,
+        bytes_sent=spread.bytes_sent,
+        bytes_received=spread.bytes_received,
+        exchange_rounds=spread.exchange_rounds,
+        host_copy_bytes=save.target.copies.nbytes,
+        blocked_seconds=seconds if blocked is None else blocked,
+        seconds=seconds,
     )
