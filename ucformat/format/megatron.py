@@ -113,10 +113,11 @@ class MegatronParallel(ManifestModel):
     expert: int = Field(default=1, ge=1, description="Expert-parallel size.")
     expert_tensor: int = Field(default=1, ge=1, description="Expert tensor-parallel size.")
     data: int | None = Field(default=None, ge=1, description="Data-parallel size, if known.")
-    pipeline_layers: list[list[int]] | None = Field(
+    pipeline_layers: list[list[list[int]]] | None = Field(
         default=None,
-        description="Per pipeline rank, the first global layer of each of its model chunks and "
-        "their layer counts, as [first, count] pairs in model-chunk order; None if unknown.",
+        description="Per pipeline rank, its model chunks in order, each [first global layer, "
+        "layer count]; None where the checkpoint does not show it (only the dp_reshardable "
+        "buckets prove which rank held which layers).",
     )
 
 
@@ -163,6 +164,16 @@ class MegatronLayout(ManifestModel):
         "(Megatron-LM names: num_layers, num_attention_heads, num_query_groups, kv_channels, ...).",
     )
     params: dict[str, MegatronParam] = Field(default_factory=dict)
+
+    def has_minor_3_1_members(self) -> bool:
+        """Whether this section holds a member format 3.1 added (the store is then 3.1)."""
+        return bool(
+            self.optimizers
+            or self.chained_prefix
+            or self.parallel is not None
+            or self.num_experts is not None
+            or any(p.axes or p.expert is not None or p.expert_parallel for p in self.params.values())
+        )
 
     def describe(self) -> str:
         """One line for ``ucformat inspect``."""

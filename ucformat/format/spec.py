@@ -10,6 +10,7 @@ __all__ = [
     "BUFFER_STATE",
     "FORMAT_NAME",
     "FLAT_CHUNKS_VERSION",
+    "BOX_CHUNKS_VERSION",
     "FORMAT_VERSION",
     "FP32_STATE",
     "MANIFEST_KEY",
@@ -26,7 +27,9 @@ __all__ = [
 FORMAT_NAME: Final = "ucformat"
 #: The newest major.minor this implementation writes (docs/format.md §5). Readers accept any
 #: minor of a major they know and refuse a newer major.
-FORMAT_VERSION = "3.0"
+FORMAT_VERSION = "3.1"
+#: What a writer writes when a store has box chunks but no member 3.1 added (§5.3, §5.4).
+BOX_CHUNKS_VERSION = "3.0"
 #: What a writer writes when every array's chunks are flat-contiguous (§2.2, §5.3): format 3.0
 #: differs from 2.1 only in allowing box chunks, so such a store stays readable by 2.x readers.
 FLAT_CHUNKS_VERSION = "2.1"
@@ -34,7 +37,7 @@ FLAT_CHUNKS_VERSION = "2.1"
 #: a newer minor may hold members it does not know; they are ignored, and digested (§3.7, §5).
 #: Format 1 differs from 2 only in its digest rule and in the state name of frozen parameters;
 #: format 3 from 2 only in its chunk shapes.
-KNOWN_MINOR: dict[int, int] = {1: 0, 2: 1, 3: 0}
+KNOWN_MINOR: dict[int, int] = {1: 0, 2: 1, 3: 1}
 #: Key of the manifest in the store root. Written last; its presence marks the store complete.
 MANIFEST_KEY = "ucformat.json"
 PARAMS_PREFIX = "params"

@@ -28,6 +28,7 @@ from ucformat.errors import InvalidNameError
 from ucformat.format.dtypes import itemsize
 from ucformat.format.models import ArrayRef, BufferEntry, CheckpointManifest, ParamEntry
 from ucformat.format.spec import (
+    BOX_CHUNKS_VERSION,
     FLAT_CHUNKS_VERSION,
     FORMAT_VERSION,
     FP32_STATE,
@@ -36,6 +37,7 @@ from ucformat.format.spec import (
     name_problem,
     state_array_path,
 )
+from ucformat.format.megatron import MegatronLayout
 from ucformat.format.tensor_parallel import TensorParallelInfo
 from ucformat.layout.chunking import (
     Chunking,
@@ -59,19 +61,25 @@ __all__ = [
 
 
 def layout_version(
-    arrays: list[ArrayRef], tensor_parallel: TensorParallelInfo | None = None
+    arrays: list[ArrayRef],
+    tensor_parallel: TensorParallelInfo | None = None,
+    megatron: MegatronLayout | None = None,
 ) -> str:
-    """The lowest format version whose rules the store satisfies (docs/format.md §5.3).
+    """The lowest format version whose rules the store satisfies (docs/format.md §5.3, §5.4).
 
     Format 3.0 adds to 2.1 only box chunks and the ``tensor_parallel.framework`` value
     ``deepspeed-patterns``: a store with neither is written as 2.1, so readers of format 2
-    still read it; either makes it 3.0, which they refuse instead of misreading.
+    still read it; either makes it 3.0, which they refuse instead of misreading. Format 3.1
+    adds optional members (``manifest.megatron``'s layout of pipeline, expert and optimizer):
+    a store that has them is 3.1.
     """
+    if megatron is not None and megatron.has_minor_3_1_members():
+        return FORMAT_VERSION
     flat = all(
         prod(ref.shape) == 0 or is_flat_chunking(ref.shape, ref.chunk_shape) for ref in arrays
     )
     known = tensor_parallel is None or tensor_parallel.framework == "deepspeed-autotp"
-    return FLAT_CHUNKS_VERSION if flat and known else FORMAT_VERSION
+    return FLAT_CHUNKS_VERSION if flat and known else BOX_CHUNKS_VERSION
 
 
 @dataclass(frozen=True)
@@ -187,7 +195,8 @@ def plan_convert(source: SourceCheckpoint, options: ConvertOptions) -> ConvertPl
     }
     tied = {alias: owner for alias, owner in source.tied.items() if owner in params}
     manifest = CheckpointManifest(
-        format_version=options.format_version or layout_version(arrays, source.tensor_parallel),
+        format_version=options.format_version
+        or layout_version(arrays, source.tensor_parallel, source.megatron),
         created_by=f"ucformat {__version__}",
         source=source.source,
         params=params,

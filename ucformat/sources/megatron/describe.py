@@ -365,9 +365,7 @@ class _Describer:
             expert=parallel.ep,
             expert_tensor=parallel.etp,
             data=dp,
-            pipeline_layers=[pair for stage in pipeline_layers for pair in stage]
-            if pipeline_layers and len(pipeline_layers) == 1
-            else None,
+            pipeline_layers=pipeline_layers,
         )
 
     def _prefixed(self) -> bool:
