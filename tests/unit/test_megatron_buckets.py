@@ -11,6 +11,7 @@ alone.
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -62,7 +63,7 @@ def brute_force(
         slots.append(
             BucketSlot(bucket, first - starts[bucket], first - starts[bucket] + param.numel)
         )
-    padded = [b - a for a, b in zip(starts, starts[1:], strict=False)]
+    padded = [b - a for a, b in itertools.pairwise(starts)]
     return slots, unpadded, padded
 
 

@@ -172,7 +172,9 @@ class MegatronLayout(ManifestModel):
             or self.chained_prefix
             or self.parallel is not None
             or self.num_experts is not None
-            or any(p.axes or p.expert is not None or p.expert_parallel for p in self.params.values())
+            or any(
+                p.axes or p.expert is not None or p.expert_parallel for p in self.params.values()
+            )
         )
 
     def describe(self) -> str:

@@ -26,6 +26,7 @@ from math import prod
 from ucformat._version import __version__
 from ucformat.errors import InvalidNameError
 from ucformat.format.dtypes import itemsize
+from ucformat.format.megatron import MegatronLayout
 from ucformat.format.models import ArrayRef, BufferEntry, CheckpointManifest, ParamEntry
 from ucformat.format.spec import (
     BOX_CHUNKS_VERSION,
@@ -37,7 +38,6 @@ from ucformat.format.spec import (
     name_problem,
     state_array_path,
 )
-from ucformat.format.megatron import MegatronLayout
 from ucformat.format.tensor_parallel import TensorParallelInfo
 from ucformat.layout.chunking import (
     Chunking,
