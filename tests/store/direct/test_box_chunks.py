@@ -100,7 +100,7 @@ def _write(
     with read_source(DATA / CASE / "ckpt") as source:
         plan = plan_convert(source, ConvertOptions(policy=policy, compressor=compressor))
         store = open_store(dst, read_only=False)
-        start_store(store, False)
+        start_store(store, False, plan.manifest.format_version)
         arrays = create_arrays(store, plan)
         write_units(plan, arrays, plan.units, workers=2)
         commit_manifest(store, plan.manifest)
