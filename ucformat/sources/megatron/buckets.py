@@ -25,8 +25,8 @@ saved. It is rebuilt here (docs/megatron.md, "dp_reshardable"):
 
 Whatever this rule gets wrong shows: the recorded sizes do not match (refused here), or the
 masters do not match the weights (:mod:`.proof` refuses). GroupedMLP experts (one transposed
-tensor for all of a rank's experts) are refused: their bucket ranges are not boxes of the
-per-expert parameters.
+tensor per linear for all of a rank's experts, each expert's weight its block transposed) give
+each expert's states as a transposed block (:mod:`.transposed`).
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ from typing import Any, NoReturn
 
 from ucformat.errors import LayoutMismatchError, UnsupportedCheckpointError
 from ucformat.format.dtypes import dtype_name
+from ucformat.format.megatron import EXPERT_AXIS
 from ucformat.format.spec import FP32_STATE
 from ucformat.layout.megatron_buckets import BucketParam, cut_runs, local_runs, place_params
 from ucformat.sources.base import ArraySource, SourceFragment
@@ -44,6 +45,7 @@ from ucformat.sources.megatron.files import MegatronFiles
 from ucformat.sources.megatron.keys import BucketKey, parse_bucket_key
 from ucformat.sources.megatron.optimizers import InnerOptimizer
 from ucformat.sources.megatron.params import ParamSlot
+from ucformat.sources.megatron.transposed import Piece, TransposedBlock
 
 __all__ = ["BucketLayout", "Parallel", "read_buckets"]
 
@@ -66,13 +68,15 @@ class Parallel:
 
 @dataclass
 class _Member:
-    """A parameter in a buffer: its slot (None: the tied embedding's last-stage copy)."""
+    """A parameter in a buffer: its slot (None: the tied embedding's last-stage copy), or a
+    GroupedMLP weight: every local expert's slot and boxes, one transposed block each."""
 
     slot: ParamSlot | None
     numel: int
     boxes: list[Box]
     dtype: str
     own_bucket: bool = False
+    experts: list[tuple[ParamSlot, list[Box]]] | None = None
 
 
 @dataclass
@@ -121,6 +125,16 @@ class _Reader:
                     key,
                     parsed,
                 )
+        #: Expert keys a GroupedMLP saved (several experts per chunk: one weight per rank).
+        self.grouped = {
+            slot.weight.key
+            for slot in self.slots
+            if EXPERT_AXIS in slot.weight.axes
+            and any(
+                c.sizes[slot.weight.axes.index(EXPERT_AXIS)] > 1
+                for c in files.tensor(slot.weight.key).chunks
+            )
+        }
         self.rank_group: dict[int, dict[int, int]] = {}  # optimizer -> rank -> group
         for (c, g, _, _, _), (key, _) in self.keys.items():
             ranks = self.rank_group.setdefault(c, {})
@@ -176,6 +190,7 @@ class _Reader:
         members: dict[tuple[int, int], list[list[_Member]]] = {}  # (c, group) -> chunk -> members
         stage_layers = self._stage_layers()
         chunks_of = {p: _runs(layers) for p, layers in stage_layers.items()}
+        grouped: dict[tuple[int, int, int | None, str], _Member] = {}
         for slot in self.slots:
             c = self._optimizer_of(slot)
             boxes = self._boxes(slot)
@@ -200,9 +215,17 @@ class _Reader:
                 if not local:
                     self._refuse(f"no rank of group {g} wrote its part of '{slot.name}'")
                 numel = sum(_prod(sizes) for _, sizes in local)
-                self._chunk_list(members, c, g, chunk).append(
-                    _Member(slot, numel, local, self.files.tensor(slot.weight.key).dtype)
-                )
+                dtype = self.files.tensor(slot.weight.key).dtype
+                if slot.weight.key in self.grouped:  # one GroupedMLP weight for all experts
+                    at = (c, g, slot.layer, slot.weight.key)
+                    if at not in grouped:
+                        grouped[at] = _Member(None, 0, [], dtype, experts=[])
+                        self._chunk_list(members, c, g, chunk).append(grouped[at])
+                    grouped[at].numel += numel
+                    assert grouped[at].experts is not None
+                    grouped[at].experts.append((slot, local))
+                    continue
+                self._chunk_list(members, c, g, chunk).append(_Member(slot, numel, local, dtype))
         self._add_tied_copy(members)
         arrays: dict[str, dict[str, ArraySource]] = {}
         covered: dict[str, set[Box]] = {}
@@ -309,6 +332,9 @@ class _Reader:
                 where = f"optimizer {c} group {g} buffer {b}"
                 self._refuse(f"{where}: {exc}")
             for member, place in zip(order, places, strict=True):
+                if member.experts is not None:
+                    self._grouped(c, g, b, member, place.bucket, place.start, arrays, covered)
+                    continue
                 if member.slot is None:
                     continue
                 name = member.slot.name
@@ -328,6 +354,56 @@ class _Reader:
                             member.slot.weight.param_shape, self.files.tensor(found[0]).dtype
                         )
                     self._fragments(array, found[0], member, place.start, place.stop)
+
+    def _grouped(
+        self,
+        c: int,
+        g: int,
+        b: int,
+        member: _Member,
+        bucket: int,
+        start: int,
+        arrays: dict[str, dict[str, ArraySource]],
+        covered: dict[str, set[Box]],
+    ) -> None:
+        """A GroupedMLP weight's range: each local expert's transposed block, cut by its boxes."""
+        assert member.experts is not None
+        for state, store_state in _STATES.items():
+            found = self.keys.get((c, g, b, bucket, state))
+            if found is None:
+                self._refuse(f"no '{state}' tensor of group {g} buffer {b} bucket {bucket}")
+            key = found[0]
+            entry = self.files.tensor(key)
+            pieces = [
+                Piece(
+                    self.files.items.chunk_tensor(key, entry, chunk),
+                    max(start, chunk.offsets[0]) - chunk.offsets[0],
+                    max(start, chunk.offsets[0]) - start,
+                    min(start + member.numel, chunk.offsets[0] + chunk.sizes[0])
+                    - max(start, chunk.offsets[0]),
+                )
+                for chunk in entry.chunks
+                if chunk.offsets[0] < start + member.numel
+                and start < chunk.offsets[0] + chunk.sizes[0]
+            ]
+            base = 0
+            for slot, boxes in sorted(member.experts, key=lambda item: item[0].expert or 0):
+                rows = sum(sizes[0] for _, sizes in boxes)
+                cols = _prod(boxes[0][1][1:])
+                block = TransposedBlock(pieces, base, rows, cols, entry.dtype)
+                base += rows * cols
+                done = covered.setdefault(f"{slot.name}/{state}", set())
+                if all(box in done for box in boxes):
+                    continue
+                done.update(boxes)
+                states = arrays.setdefault(slot.name, {})
+                array = states.setdefault(
+                    store_state, ArraySource(slot.weight.param_shape, entry.dtype)
+                )
+                for run in local_runs(array.shape, [(list(o), list(s)) for o, s in boxes]):
+                    array.fragments.append(
+                        SourceFragment(block, run.chunk_start, run.start, run.length)
+                    )
 
     def _fragments(
         self, array: ArraySource, key: str, member: _Member, start: int, stop: int

@@ -255,7 +255,6 @@ class _Describer:
         checks: list[tuple[str, ArraySource, ArraySource]] = []
         bucketed = [o for o in optimizers if o.sharding == "dp_reshardable"]
         if bucketed:
-            self._refuse_grouped_buckets()
             layout = read_buckets(self.files, slots, optimizers, chained, parallel)
             pipeline = layout.pipeline_layers
             for slot in slots:
@@ -288,18 +287,6 @@ class _Describer:
             "its layout is not the one ucformat rebuilt); refused before writing anything.",
         )
         return pipeline
-
-    def _refuse_grouped_buckets(self) -> None:
-        for weight in self.weights:
-            if EXPERT_AXIS not in weight.axes:
-                continue
-            depth = weight.axes.index(EXPERT_AXIS)
-            if any(c.sizes[depth] > 1 for c in self.files.tensor(weight.key).chunks):
-                raise UnsupportedCheckpointError(
-                    f"{self.folder}: '{weight.key}' was saved by GroupedMLP experts (one "
-                    "transposed tensor per rank); their dp_reshardable bucket ranges are not "
-                    "read yet. Save with distrib_optim_sharding_type='fully_reshardable'."
-                )
 
     @staticmethod
     def _owner(slot: ParamSlot, optimizers: Sequence[InnerOptimizer]) -> InnerOptimizer:
