@@ -221,9 +221,9 @@ class _Reader:
                     if at not in grouped:
                         grouped[at] = _Member(None, 0, [], dtype, experts=[])
                         self._chunk_list(members, c, g, chunk).append(grouped[at])
-                    grouped[at].numel += numel
-                    assert grouped[at].experts is not None
-                    grouped[at].experts.append((slot, local))
+                    weight = grouped[at]
+                    weight.numel += numel
+                    weight.experts = [*(weight.experts or []), (slot, local)]
                     continue
                 self._chunk_list(members, c, g, chunk).append(_Member(slot, numel, local, dtype))
         self._add_tied_copy(members)
