@@ -170,3 +170,29 @@ def test_optimizer_keys_are_recognised() -> None:
     assert (bucket.chained, bucket.group, bucket.buffer, bucket.bucket, bucket.state) == (
         None, 3, 1, 2, "exp_avg_sq",
     )  # fmt: skip
+
+
+def test_te_grouped_experts_are_ordered_key_by_key() -> None:
+    """TEGroupedMLP registers linear_fc1.weight<i> for every local expert, then linear_fc2."""
+    from ucformat.sources.megatron.buckets import _key_major
+    from ucformat.sources.megatron.params import order_params
+
+    weights = [
+        parse_weight_key("decoder.layers.mlp.router.weight", (2, 3, 8)),
+        parse_weight_key("decoder.layers.mlp.experts.experts.linear_fc1.weight", (2, 3, 8, 8)),
+        parse_weight_key("decoder.layers.mlp.experts.experts.linear_fc2.weight", (2, 3, 8, 8)),
+    ]
+    sequential = [slot.name.removeprefix("decoder.layers.") for slot in order_params(weights)]
+    assert sequential[:4] == [
+        "0.mlp.router.weight",
+        "0.mlp.experts.local_experts.0.linear_fc1.weight",
+        "0.mlp.experts.local_experts.0.linear_fc2.weight",
+        "0.mlp.experts.local_experts.1.linear_fc1.weight",
+    ]
+    te = [slot.name.removeprefix("decoder.layers.") for slot in _key_major(order_params(weights))]
+    assert te[:8] == [
+        "0.mlp.router.weight",
+        *(f"0.mlp.experts.local_experts.{e}.linear_fc1.weight" for e in range(3)),
+        *(f"0.mlp.experts.local_experts.{e}.linear_fc2.weight" for e in range(3)),
+        "1.mlp.router.weight",
+    ]

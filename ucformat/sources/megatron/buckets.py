@@ -64,6 +64,9 @@ class Parallel:
     ep: int = 1
     etp: int = 1
     vpp: int = 1
+    #: Experts are TEGroupedMLP's (``linear_fc1.weight<i>`` for every local expert, then
+    #: ``linear_fc2.weight<i>``): their module order is key by key, not expert by expert.
+    te_grouped: bool = False
 
 
 @dataclass
@@ -113,7 +116,8 @@ class _Reader:
         chained: bool,
         parallel: Parallel,
     ) -> None:
-        self.files, self.slots, self.parallel = files, list(slots), parallel
+        self.files, self.parallel = files, parallel
+        self.slots = _key_major(list(slots)) if parallel.te_grouped else list(slots)
         self.optimizers = list(optimizers)
         self.chained = chained
         self.keys: dict[tuple[int, int, int, int, str], tuple[str, BucketKey]] = {}
@@ -444,6 +448,27 @@ class _Reader:
             ((dtypes, sizes),) = padded.items()
             out.append((_param_dtype(dtypes), list(unpadded[dtypes]), list(sizes)))
         return out
+
+
+def _key_major(slots: list[ParamSlot]) -> list[ParamSlot]:
+    """Each run of expert parameters of one layer reordered key by key (TEGroupedMLP's order)."""
+    out: list[ParamSlot] = []
+    run: list[ParamSlot] = []
+    keys: dict[str, int] = {}
+    for slot in [*slots, None]:
+        if slot is not None and slot.expert is not None and (not run or run[0].layer == slot.layer):
+            run.append(slot)
+            keys.setdefault(slot.weight.key, len(keys))
+            continue
+        out.extend(sorted(run, key=lambda s: (keys[s.weight.key], s.expert or 0)))
+        run, keys = [], {}
+        if slot is not None:
+            if slot.expert is not None:
+                run.append(slot)
+                keys[slot.weight.key] = 0
+            else:
+                out.append(slot)
+    return out
 
 
 def _unwrap(value: Any) -> Any:

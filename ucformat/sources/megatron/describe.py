@@ -337,6 +337,9 @@ class _Describer:
             ep=_int(args.get("expert_model_parallel_size")) or 1,
             etp=_int(args.get("expert_tensor_parallel_size")) or (tp if experts else 1),
             vpp=_int(args.get("virtual_pipeline_model_parallel_size")) or 1,
+            te_grouped=bool(args.get("moe_grouped_gemm"))
+            and not args.get("moe_use_legacy_grouped_gemm")
+            and args.get("transformer_impl") != "local",
         )
 
     def _parallel_info(
