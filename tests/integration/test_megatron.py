@@ -304,3 +304,21 @@ def test_without_training_args_qkv_is_kept_but_not_split(
     assert gate_up is not None and gate_up.sizes == [48, 48]  # from linear_fc2's width
     with pytest.raises(UnsupportedExportError, match="does not record the attention head counts"):
         export_safetensors(store, tmp_path / "hf", names="hf-llama")
+
+
+def test_dp_reshardable_without_training_args_infers_the_layout(
+    cases: dict[str, Path], truths: dict[str, dict[str, Any]], tmp_path: Path
+) -> None:
+    """Without Megatron-LM's ``args`` the tensor-parallel size comes from the embedding's boxes
+    and the pipeline size from the bucket groups; the proof accepts what was inferred."""
+    for name in ("tp2dp2", "pp2tp2-vpp2"):
+        folder = tmp_path / name
+        shutil.copytree(cases[name] / "dp_reshardable", folder)
+        common = torch.load(folder / "common.pt", weights_only=False)
+        del common["args"]
+        torch.save(common, folder / "common.pt")
+        ckpt = ucformat.convert(folder, tmp_path / f"{name}.ucf")
+        store = ucformat.open(tmp_path / f"{name}.ucf")
+        assert ckpt.optimizer is not None
+        for param, values in truths[name]["params"].items():
+            assert torch.equal(_bits(store.read(param, "exp_avg")), _bits(values["exp_avg"])), param

@@ -328,19 +328,61 @@ class _Describer:
 
     # --- layout -------------------------------------------------------------------------------
     def _parallel(self, optimizers: Sequence[InnerOptimizer]) -> Parallel:
+        """The saving layout: from Megatron-LM's ``args``; without them (a plain
+        ``dist_checkpointing.save``) the tensor sizes from the boxes of the vocabulary-parallel
+        embedding and of the experts' row-parallel ``linear_fc2``, the pipeline and expert sizes
+        from the number of ``dp_reshardable`` groups (the proof checks whatever is inferred)."""
         args = self.files.args
-        tp = _int(args.get("tensor_model_parallel_size")) or 1
         experts = self._num_experts()
+        tp = _int(args.get("tensor_model_parallel_size")) or self._splits(
+            "embedding.word_embeddings.weight"
+        )
+        groups = self._bucket_groups()
+        pp = _int(args.get("pipeline_model_parallel_size")) or max(
+            1, len(groups.get(optimizers[0].index, ())) // tp if optimizers else 1
+        )
+        etp = _int(args.get("expert_tensor_parallel_size"))
+        if etp is None:
+            fc2 = [w.key for w in self.weights if w.has_experts and w.key.endswith("fc2.weight")]
+            etp = self._splits(fc2[0]) if fc2 else 1
+        ep = _int(args.get("expert_model_parallel_size"))
+        if ep is None:
+            expert_groups = len(groups.get(optimizers[-1].index, ())) if len(optimizers) > 1 else 0
+            ep = max(1, expert_groups // (etp * pp)) if expert_groups else 1
         return Parallel(
             tp=tp,
-            pp=_int(args.get("pipeline_model_parallel_size")) or 1,
-            ep=_int(args.get("expert_model_parallel_size")) or 1,
-            etp=_int(args.get("expert_tensor_parallel_size")) or (tp if experts else 1),
+            pp=pp,
+            ep=ep,
+            etp=etp if experts else 1,
             vpp=_int(args.get("virtual_pipeline_model_parallel_size")) or 1,
             te_grouped=bool(args.get("moe_grouped_gemm"))
             and not args.get("moe_use_legacy_grouped_gemm")
             and args.get("transformer_impl") != "local",
         )
+
+    def _splits(self, key: str) -> int:
+        """How many boxes one parameter of ``key`` was saved in (its tensor-parallel size)."""
+        entry = self.files.metadata.entries.get(key)
+        if entry is None or not hasattr(entry, "chunks"):
+            return 1
+        weight = parse_weight_key(key, self.files.tensor(key).shape)
+        first = weight.indices()[0]
+        depth = len(first)
+        boxes = {
+            (c.offsets[depth:], c.sizes[depth:])
+            for c in self.files.tensor(key).chunks
+            if all(o <= i < o + n for i, o, n in zip(first, c.offsets, c.sizes, strict=False))
+        }
+        return max(1, len(boxes))
+
+    def _bucket_groups(self) -> dict[int, set[int]]:
+        """Optimizer -> the ``dp_group_idx`` groups its ``dp_reshardable`` buckets name."""
+        groups: dict[int, set[int]] = {}
+        for key in self.files.tensors():
+            parsed = parse_bucket_key(key)
+            if parsed is not None:
+                groups.setdefault(parsed.chained or 0, set()).add(parsed.group)
+        return groups
 
     def _parallel_info(
         self, parallel: Parallel, pipeline_layers: list[list[list[int]]] | None
