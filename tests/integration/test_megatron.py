@@ -5,12 +5,12 @@ Real checkpoints (tests/fixtures/megatron_cases.py): tiny GPTModels trained 2 st
 Megatron-Core 0.16.1 (GQA, SwiGLU, RMSNorm, RoPE) at TP=2 with FP32Optimizer and with
 Float16OptimizerWithFloat16Params (bf16), with the distributed optimizer in both formats at DP=2
 (bf16, several buckets), TP=2 x DP=2, PP=2 (uneven stages, tied embeddings), PP=2 x TP=2 with
-virtual stages, and MoE models at EP=2 (SequentialMLP + shared expert, chained FP32Optimizers
-with prefixed keys; GroupedMLP in bf16 with the distributed optimizer, whose dp_reshardable
-buckets hold each expert transposed). The oracle is each job's
-``truth.pt``: every parameter's weight, fp32 master, ``exp_avg`` and ``exp_avg_sq`` at TP=1,
-gathered from the live job, under the naming contract's names. Two torchrun launches (W=2,
-W=4), cached under tests/.cache/megatron.
+virtual stages, and MoE models: EP=2 (SequentialMLP + shared expert, chained FP32Optimizers with
+prefixed keys), EP=2 GroupedMLP in bf16 with the distributed optimizer (whose dp_reshardable
+buckets hold each expert transposed), EP=2 x ETP=2 with the distributed optimizer. The oracle is
+each job's ``truth.pt``: every parameter's weight, fp32 master, ``exp_avg`` and ``exp_avg_sq``
+at TP=1, gathered from the live job, under the naming contract's names. Two torchrun launches
+(W=2, W=4), cached under tests/.cache/megatron.
 """
 
 from __future__ import annotations
@@ -155,6 +155,12 @@ def test_layout_and_names_do_not_depend_on_the_saving_layout(
     assert grouped <= names and names - grouped == {
         n for n in names if "shared_experts" in n
     }  # GroupedMLP and SequentialMLP: the same names
+    etp = ucformat.open(stores["ep2-etp2/dp_reshardable"]).manifest.megatron
+    assert etp is not None and etp.parallel is not None
+    assert (etp.parallel.expert, etp.parallel.expert_tensor, etp.parallel.data) == (2, 2, 4)
+    fc1 = etp.params["decoder.layers.0.mlp.experts.local_experts.2.linear_fc1.weight"]
+    # expert tensor parallel: each of 2 ranks wrote its slice of the gate and of the up half
+    assert sorted(c.offsets[0] for c in fc1.chunks) == [0, 8, 16, 24]
     expert_groups = [g for g in moe.optimizer.groups if g.hyperparams["is_expert_parallel"]]  # type: ignore[union-attr]
     assert {n for g in expert_groups for n in g.params} == {
         n for n in names if "local_experts" in n
@@ -322,3 +328,28 @@ def test_dp_reshardable_without_training_args_infers_the_layout(
         assert ckpt.optimizer is not None
         for param, values in truths[name]["params"].items():
             assert torch.equal(_bits(store.read(param, "exp_avg")), _bits(values["exp_avg"])), param
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_rng_states_are_kept_exactly(cases: dict[str, Path], stores: dict[str, Path]) -> None:
+    """Every pipeline x tensor rank's RNG state, as torch's own DCP load of the object gives it
+    (arrays as lists of their integers)."""
+    import io
+
+    from torch.distributed.checkpoint import FileSystemReader, load
+
+    folder = cases["tp2dp2"] / "dp_reshardable"
+    kept = ucformat.open(stores["tp2dp2/dp_reshardable"]).manifest.client_state.values["rng_state"]
+    assert sorted(kept) == ["0.0", "0.1"]  # type: ignore[arg-type]
+    for rank, states in kept.items():  # type: ignore[union-attr]
+        key = f"rng_state/shard_{rank}_1.2"
+        loaded: dict[str, Any] = {key: io.BytesIO()}
+        load(loaded, storage_reader=FileSystemReader(folder), no_dist=True)
+        (want,) = loaded[key]
+        assert len(states) == len(want) == 1
+        np_state = states[0]["np_rng_state"]["$tuple"]
+        assert np_state[0] == "MT19937" and np_state[1] == want[0]["np_rng_state"][1].tolist()
+        assert np_state[2:] == list(want[0]["np_rng_state"][2:])
+        assert states[0]["torch_rng_state"] == want[0]["torch_rng_state"].tolist()
+        random_state = states[0]["random_rng_state"]["$tuple"]
+        assert random_state[1]["$tuple"] == list(want[0]["random_rng_state"][1])
