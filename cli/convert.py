@@ -197,6 +197,8 @@ def convert_command(
         if source.framework == "deepspeed"
         else f"Megatron-Core torch_dist x{source.world_size} {source.train_dtype}"
         if source.checkpoint_format == "megatron-torch_dist"
+        else f"Hugging Face safetensors {source.train_dtype}"
+        if source.checkpoint_format == "safetensors"
         else f"PyTorch DCP x{source.world_size} {source.train_dtype}"
     )
     typer.echo(

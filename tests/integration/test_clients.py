@@ -18,6 +18,8 @@ from ucformat_cli.main import app
 
 import ucformat
 from tests.fixtures.clients_cases import available, generate_clients, run_client_jobs
+from tests.fixtures.pretrained_cases import LOADS, generate_pretrained, pretrained_jobs
+from tests.fixtures.pretrained_cases import available as transformers_available
 
 pytestmark = pytest.mark.clients
 
@@ -55,6 +57,12 @@ def work(tmp_path_factory: pytest.TempPathFactory, sources: dict[str, Path]) -> 
         jobs.append({"name": "accelerate-resume-w1", "client": "accelerate", "kind": "resume",
                      "world_size": 1, "dir": str(root), "folder": str(resumed),
                      "truth": str(sources["accelerate"] / "truth.pt")})  # fmt: skip
+    if transformers_available():  # Hugging Face weights into FSDP2, ZeRO-3, TP models
+        folders = generate_pretrained()
+        stores = {which: root / f"pretrained-{which}.ucf" for which in folders}
+        for which, folder in folders.items():
+            _cli("convert", str(folder), str(stores[which]))
+        jobs.extend(pretrained_jobs(folders, stores))
     return {"root": root, "results": run_client_jobs(jobs, root / "run") if jobs else {}}
 
 
@@ -87,6 +95,19 @@ def test_accelerate_fsdp2_save_state_converts_and_load_state_resumes_at_w1(
     for name in manifest.params:
         for state in ("fp32", "exp_avg", "exp_avg_sq"):
             assert back.read(name, state).equal(first.read(name, state)), (name, state)
+
+
+@pytest.mark.skipif(not transformers_available(), reason="transformers is not installed")
+@pytest.mark.parametrize(("layout", "world_size", "dtype", "which"), LOADS)
+def test_hugging_face_weights_load_into_sharded_models_as_from_pretrained_does(
+    work: dict[str, Any], layout: str, world_size: int, dtype: str, which: str
+) -> None:
+    """Every gathered weight and the logits of a fixed batch bit-equal to ``from_pretrained``
+    sharded the same way; every rank fetched at most 1.2x the bytes it needed."""
+    result = work["results"][f"pretrained-{layout}-ws{world_size}-{dtype}"]
+    assert result["failures"] == []
+    assert len(result["amplification"]) == world_size
+    assert all(1.0 <= a <= 1.2 for a in result["amplification"]), result["amplification"]
 
 
 def test_unknown_dcp_layout_names_keys_and_the_layouts_it_resembles(tmp_path: Path) -> None:

@@ -1,5 +1,5 @@
-"""Pick the reader for a source path: a Megatron-Core ``torch_dist`` folder, a PyTorch DCP folder
-or a DeepSpeed ZeRO checkpoint."""
+"""Pick the reader for a source path: a Megatron-Core ``torch_dist`` folder, a PyTorch DCP folder,
+Hugging Face weights (safetensors) or a DeepSpeed ZeRO checkpoint."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from ucformat.sources.deepspeed.checkpoint import read_deepspeed_checkpoint
 from ucformat.sources.deepspeed.pipeline import is_pipeline_folder, read_pipeline_checkpoint
 from ucformat.sources.megatron import is_megatron_folder, read_megatron_checkpoint
 from ucformat.sources.safe_unpickle import PicklePolicy
+from ucformat.sources.safetensors import is_safetensors_source, read_safetensors
 from ucformat.sources.unwrap import unwrap_names
 
 __all__ = ["read_source"]
@@ -32,7 +33,8 @@ def read_source(
     check_crc: bool = True,
 ) -> SourceCheckpoint:
     """Open ``src`` with the reader its files call for (a ``.metadata`` file means DCP; a
-    ``pytorch_model_fsdp_0/`` DCP folder in it, an Accelerate FSDP2 ``save_state`` folder).
+    ``pytorch_model_fsdp_0/`` DCP folder in it, an Accelerate FSDP2 ``save_state`` folder; a
+    ``.safetensors`` file or a folder of them without DeepSpeed files, Hugging Face weights).
 
     ``check_crc``: checksum DeepSpeed shard files' tensor bytes as they are read (their zip
     CRC-32; DCP items are not checked this way yet). Names are the model's own: wrapper
@@ -66,6 +68,13 @@ def read_source(
                 "--optimizer-key do not apply (convert its DCP folders one by one to use them)."
             )
         return unwrap_names(read_accelerate_state(src, policy=policy))
+    if is_safetensors_source(src):
+        if tag is not None or model_key is not None or optimizer_key is not None:
+            raise UnsupportedCheckpointError(
+                f"{src}: holds Hugging Face weights (safetensors); --tag, --model-key and "
+                "--optimizer-key do not apply to it."
+            )
+        return unwrap_names(read_safetensors(src))
     if model_key is not None or optimizer_key is not None:
         raise UnsupportedCheckpointError(
             f"{src}: has no DCP .metadata file; --model-key/--optimizer-key apply to PyTorch "
