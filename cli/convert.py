@@ -23,6 +23,12 @@ if TYPE_CHECKING:
     from ucformat.write.plan import ConvertPlan
 
 _KIB = 1024
+#: How the summary line names a converted format (``source.checkpoint_format``).
+_FORMATS = {
+    "torch-dcp": "PyTorch DCP",
+    "megatron-torch_dist": "Megatron-Core torch_dist",
+    "torch-checkpointing": "torch_checkpointing",
+}
 #: Set once the convert has committed (what a later Ctrl-C message says).
 _COMMITTED: list[bool] = []
 
@@ -110,6 +116,15 @@ def convert_command(
         str | None,
         typer.Option(help="DCP only: key of the optimizer state dict [default: optimizer/optim]."),
     ] = None,
+    head_dim: Annotated[
+        int | None,
+        typer.Option(
+            help="DCP / torch_checkpointing only: the head dimension that rejoins torchtitan's "
+            "fuse_qkv weights (saved split as wq/wk/wv beside the fused wqkv optimizer state); "
+            "torchtitan's dim // n_heads.",
+            min=1,
+        ),
+    ] = None,
     distributed: Annotated[
         bool,
         typer.Option(
@@ -136,6 +151,11 @@ def convert_command(
             "needs torchrun's environment (WORLD_SIZE > 1, RANK, MASTER_ADDR); launch it as "
             "'torchrun --nproc_per_node N -m ucformat_cli convert --distributed SRC DST'",
             param_hint="--distributed",
+        )
+    if distributed and head_dim is not None:
+        raise typer.BadParameter(
+            "not with --distributed (convert the fuse_qkv checkpoint in one process)",
+            param_hint="--head-dim",
         )
     if distributed and not dry_run:
         _convert_distributed(
@@ -185,6 +205,7 @@ def convert_command(
             model_key=model_key,
             optimizer_key=optimizer_key,
             tp_max=tp_max,
+            head_dim=head_dim,
         )
         _COMMITTED.append(not dry_run)
     plan = planned[0]
@@ -195,11 +216,10 @@ def convert_command(
         f"DeepSpeed ZeRO-{source.zero_stage} x{source.world_size} {source.train_dtype} "
         f"(tag {source.tag})"
         if source.framework == "deepspeed"
-        else f"Megatron-Core torch_dist x{source.world_size} {source.train_dtype}"
-        if source.checkpoint_format == "megatron-torch_dist"
         else f"Hugging Face safetensors {source.train_dtype}"
         if source.checkpoint_format == "safetensors"
-        else f"PyTorch DCP x{source.world_size} {source.train_dtype}"
+        else f"{_FORMATS.get(source.checkpoint_format or '', 'PyTorch DCP')} "
+        f"x{source.world_size} {source.train_dtype}"
     )
     typer.echo(
         f"{what} {len(plan.arrays)} arrays ({shards} shards, {format_bytes(plan.nbytes)}) for "

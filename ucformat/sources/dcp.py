@@ -62,9 +62,9 @@ from ucformat.sources.dcp_metadata import (
 from ucformat.sources.reading import describing
 from ucformat.sources.safe_unpickle import PicklePolicy
 from ucformat.sources.torchfile import TensorRef, TorchFile, open_embedded_torch_file
-from ucformat.sources.torchtitan import training_progress
+from ucformat.sources.torchtitan import fused_qkv_blocks, join_rows, training_progress
 
-__all__ = ["BUFFER_NAMES", "DcpItems", "is_dcp_folder", "read_dcp_checkpoint"]
+__all__ = ["BUFFER_NAMES", "DcpDescriber", "DcpItems", "is_dcp_folder", "read_dcp_checkpoint"]
 
 #: Model entries outside every param group with these last names (or a non-float dtype) are
 #: buffers; the others are frozen parameters (DCP does not record which is which).
@@ -84,6 +84,7 @@ def read_dcp_checkpoint(
     optimizer_key: str | None = None,
     policy: PicklePolicy | None = None,
     metadata: DcpMetadata | None = None,
+    head_dim: int | None = None,
 ) -> SourceCheckpoint:
     """Open and describe the DCP checkpoint in folder ``src``.
 
@@ -95,6 +96,8 @@ def read_dcp_checkpoint(
         policy: extra pickle globals admitted as placeholders in non-tensor values.
         metadata: the decoded metadata, if the caller has it (several folders read as one,
             item paths relative to ``src``: :mod:`~ucformat.sources.accelerate`).
+        head_dim: rejoin torchtitan's split ``fuse_qkv`` weights with heads of this many rows
+            (:mod:`~ucformat.sources.torchtitan`); None refuses such a checkpoint.
 
     The returned object holds open file descriptors; close it (or use it as a context manager).
 
@@ -105,11 +108,215 @@ def read_dcp_checkpoint(
     metadata = metadata or read_dcp_metadata(folder)
     reader = _Reader(folder, metadata, policy or PicklePolicy())
     with describing(folder, "the DCP items", "dcp.save", reader.close):
-        return reader.describe(model_key, optimizer_key)
+        return reader.describe(model_key, optimizer_key, head_dim)
 
 
-class _Reader:
-    """Opens items of one checkpoint on shared per-file descriptors."""
+class DcpDescriber:
+    """Describes a checkpoint whose entries are DCP's flattened keys (:class:`DcpMetadata`).
+
+    Subclasses give the entries' values: :meth:`array` (a tensor entry as an array and its
+    fragments), :meth:`value` (a non-tensor entry's Python value), :meth:`scalar` (a 0-d
+    optimizer state), and :meth:`source_info`'s inputs; :meth:`describe` sorts the keys into
+    weights, optimizer states, param groups and client state (:mod:`~ucformat.sources.dcp_layout`)
+    and builds the checkpoint. DCP folders (:class:`DcpItems`) and torch_checkpointing folders
+    (:mod:`~ucformat.sources.torch_checkpointing`) are read this way.
+    """
+
+    folder: Path
+    metadata: DcpMetadata
+    #: Every item file opened so far (checked by ``check_integrity``, closed by ``close``).
+    handles: list[TorchFile]
+
+    def array(self, key: str) -> ArraySource:
+        """A tensor entry as an array whose fragments tile it."""
+        raise NotImplementedError
+
+    def value(self, key: str) -> Any:
+        """The Python value of a non-tensor entry (decoded by the allow-list unpickler)."""
+        raise NotImplementedError
+
+    def scalar(self, key: str) -> ScalarState:
+        """A 0-d optimizer state (0-d tensor entry, or a Python number)."""
+        raise NotImplementedError
+
+    def close_descriptors(self) -> None:
+        """Release what the item handles share (called after every handle is closed)."""
+
+    def checkpoint_files(self) -> tuple[list[str], str]:
+        """The names of the files read (relative to the folder) and the format's name."""
+        raise NotImplementedError
+
+    # --- the checkpoint -----------------------------------------------------------------------
+    def describe(
+        self, model_key: str | None, optimizer_key: str | None, head_dim: int | None = None
+    ) -> SourceCheckpoint:
+        """The checkpoint, its keys sorted by :func:`~ucformat.sources.dcp_layout.split_layout`
+        (``head_dim``: see :func:`read_dcp_checkpoint`)."""
+        entries = self.metadata.entries
+        tensors = {k for k, v in entries.items() if isinstance(v, DcpTensor)}
+        layout = split_layout(
+            list(entries),
+            tensors,
+            str(self.folder),
+            model_key=model_key,
+            optimizer_key=optimizer_key,
+            head_dim=head_dim,
+        )
+        groups = self._groups(layout) if layout.optimizer_key else []
+        member = {name: index for index, group in enumerate(groups) for name in group.params}
+        params: dict[str, SourceParam] = {}
+        buffers: dict[str, ArraySource] = {}
+        fused = {part: owner for owner, parts in layout.fused.items() for part in parts}
+        for name, key in layout.params.items():
+            if name in fused:  # rejoined where its first part was saved
+                if fused[name] not in params:
+                    params[fused[name]] = self._fused_param(layout, fused[name], member)
+                continue
+            entry = entries[key]
+            assert isinstance(entry, DcpTensor)
+            group = member.get(name)
+            states = layout.states.get(name, {})
+            if group is None and states:
+                raise LayoutMismatchError(
+                    f"{self.folder}: '{name}' has optimizer state but is in no param group."
+                )
+            if group is None and _is_buffer(name, entry.dtype):
+                buffers[name] = self.array(key)
+                continue
+            trainable = group is not None or layout.optimizer_key is None
+            param = SourceParam(
+                shape=entry.shape,
+                dtype=entry.dtype,
+                requires_grad=trainable,
+                group=group,
+                # a frozen parameter's value is stored as it is (format 2, docs/format.md §2.1)
+                arrays={(FP32_STATE if trainable else VALUE_STATE): self.array(key)},
+            )
+            for state, state_key in states.items():
+                self._add_state(param, name, state, state_key)
+            params[name] = param
+        client_state = self._client_state(layout.other)
+        return SourceCheckpoint(
+            source=self._source_info(params),
+            params=params,
+            buffers=buffers,
+            tied={},
+            optimizer=_optimizer_info(params, groups) if layout.optimizer_key else None,
+            progress=training_progress(client_state.values, params),
+            client_state=client_state,
+            files=list(self.handles),
+            closers=[self.close_descriptors],
+        )
+
+    def _fused_param(self, layout: DcpLayout, owner: str, member: dict[str, int]) -> SourceParam:
+        """The fused parameter ``owner`` (torchtitan's ``wqkv``): its split weights' fragments
+        moved to their rows of the fused array, its own optimizer state."""
+        parts = [self.array(layout.params[part]) for part in layout.fused[owner]]
+        assert layout.head_dim is not None
+        where = f"{self.folder}: '{owner}'"
+        shape, blocks = fused_qkv_blocks([p.shape for p in parts], layout.head_dim, where)
+        if len({p.dtype for p in parts}) != 1:
+            raise LayoutMismatchError(f"{where}: its split weights have different dtypes.")
+        param = SourceParam(
+            shape=shape,
+            dtype=parts[0].dtype,
+            requires_grad=True,
+            group=member.get(owner),
+            arrays={FP32_STATE: join_rows(parts, shape, blocks)},
+        )
+        for state, state_key in layout.states.get(owner, {}).items():
+            self._add_state(param, owner, state, state_key)
+        return param
+
+    def _add_state(self, param: SourceParam, name: str, state: str, key: str) -> None:
+        entry = self.metadata.entries[key]
+        if isinstance(entry, DcpBytes) or not entry.shape:
+            param.scalars[state] = self.scalar(key)
+        elif entry.shape == param.shape:
+            param.arrays[state] = self.array(key)
+        else:
+            raise LayoutMismatchError(
+                f"{self.folder}: optimizer state '{state}' of '{name}' has shape "
+                f"{list(entry.shape)}, the parameter {list(param.shape)}."
+            )
+
+    def _groups(self, layout: DcpLayout) -> list[OptimizerGroup]:
+        if layout.nested:
+            return [self._nested_group(layout, index) for index in sorted(layout.groups, key=int)]
+        groups: list[OptimizerGroup] = []
+        by_identity: dict[str, int] = {}
+        for name, keys in layout.groups.items():
+            hyper = {hp: encode(self.value(key)) for hp, key in keys.items()}
+            identity = json.dumps(hyper, sort_keys=True)
+            if identity not in by_identity:
+                by_identity[identity] = len(groups)
+                groups.append(OptimizerGroup(params=[], hyperparams=hyper))
+            groups[by_identity[identity]].params.append(name)
+        return groups
+
+    def _nested_group(self, layout: DcpLayout, index: str) -> OptimizerGroup:
+        keys = layout.groups[index]
+        if "params" not in keys:
+            raise NotACheckpointError(f"{self.folder}: param group {index} has no 'params' list.")
+        members = self.value(keys["params"])
+        if not isinstance(members, list) or not all(m in layout.params for m in members):
+            raise NotACheckpointError(
+                f"{self.folder}: param group {index} lists {str(members)[:120]}, not FQNs of the "
+                "model's weights; save the optimizer with get_optimizer_state_dict."
+            )
+        hyper = {hp: encode(self.value(key)) for hp, key in keys.items() if hp != "params"}
+        return OptimizerGroup(params=list(members), hyperparams=hyper)
+
+    def _client_state(self, keys: list[str]) -> ClientState:
+        return encode_client_state((key, self._client_value(key)) for key in keys)
+
+    def _client_value(self, key: str) -> Any:
+        entry = self.metadata.entries[key]
+        if isinstance(entry, DcpTensor):
+            return NotStored(f"tensor {entry.dtype}{list(entry.shape)}")
+        return self.value(key)
+
+    def _source_info(self, params: dict[str, SourceParam]) -> SourceInfo:
+        floats = Counter(p.dtype for p in params.values() if p.dtype in _FLOATING)
+        names, checkpoint_format = self.checkpoint_files()
+        train = floats.most_common(1)[0][0] if floats else "float32"
+        return self.source_info(names, checkpoint_format=checkpoint_format, train_dtype=train)
+
+    def source_info(
+        self,
+        names: list[str],
+        *,
+        checkpoint_format: str,
+        train_dtype: str,
+        optimizer_wrapper: str = "",
+    ) -> SourceInfo:
+        """The provenance of a folder written by ``dcp.save``: its files ``names`` (sizes read
+        now), its world size, the format built on DCP."""
+        return SourceInfo(
+            framework="pytorch",
+            framework_version="unknown",
+            written_by="convert",
+            checkpoint_format=checkpoint_format,
+            path=str(self.folder.resolve()),
+            tag="",
+            world_size=self.world_size(),
+            train_dtype=train_dtype,  # type: ignore[arg-type]
+            optimizer_wrapper=optimizer_wrapper,
+            mesh_shape=self.mesh_shape(),
+            files=[SourceFile(name=n, size=(self.folder / n).stat().st_size) for n in names],
+        )
+
+    def world_size(self) -> int:
+        """The ranks that wrote the checkpoint."""
+        return self.metadata.world_size
+
+    def mesh_shape(self) -> list[int] | None:
+        """The device mesh of sharded parameters, where the checkpoint records it (DCP: no)."""
+        return None
+
+
+class _Reader(DcpDescriber):
+    """Opens items of one DCP checkpoint on shared per-file descriptors."""
 
     def __init__(self, folder: Path, metadata: DcpMetadata, policy: PicklePolicy) -> None:
         self.folder, self.metadata, self.policy = folder, metadata, policy
@@ -129,6 +336,12 @@ class _Reader:
         for handle in self.handles:
             handle.close()
         self.close_descriptors()
+
+    def checkpoint_files(self) -> tuple[list[str], str]:
+        """``.metadata`` (one per merged folder) and every data file."""
+        folders = sorted({n.rpartition("/")[0] for n in self.metadata.data_files}) or [""]
+        metadata_files = [f"{d}/{METADATA_NAME}" if d else METADATA_NAME for d in folders]
+        return [*metadata_files, *self.metadata.data_files], "torch-dcp"
 
     def close_descriptors(self) -> None:
         """Close the data files' descriptors (after every item handle is closed)."""
@@ -203,137 +416,6 @@ class _Reader:
         if len(entry.chunks) != 1:
             raise LayoutMismatchError(f"{self.folder}: 0-d '{key}' has {len(entry.chunks)} chunks.")
         return scalar_state(self._open(key, entry.chunks[0].offsets).obj, key)
-
-    # --- the checkpoint -----------------------------------------------------------------------
-    def describe(self, model_key: str | None, optimizer_key: str | None) -> SourceCheckpoint:
-        entries = self.metadata.entries
-        tensors = {k for k, v in entries.items() if isinstance(v, DcpTensor)}
-        layout = split_layout(
-            list(entries),
-            tensors,
-            str(self.folder),
-            model_key=model_key,
-            optimizer_key=optimizer_key,
-        )
-        groups = self._groups(layout) if layout.optimizer_key else []
-        member = {name: index for index, group in enumerate(groups) for name in group.params}
-        params: dict[str, SourceParam] = {}
-        buffers: dict[str, ArraySource] = {}
-        for name, key in layout.params.items():
-            entry = entries[key]
-            assert isinstance(entry, DcpTensor)
-            group = member.get(name)
-            states = layout.states.get(name, {})
-            if group is None and states:
-                raise LayoutMismatchError(
-                    f"{self.folder}: '{name}' has optimizer state but is in no param group."
-                )
-            if group is None and _is_buffer(name, entry.dtype):
-                buffers[name] = self.array(key)
-                continue
-            trainable = group is not None or layout.optimizer_key is None
-            param = SourceParam(
-                shape=entry.shape,
-                dtype=entry.dtype,
-                requires_grad=trainable,
-                group=group,
-                # a frozen parameter's value is stored as it is (format 2, docs/format.md §2.1)
-                arrays={(FP32_STATE if trainable else VALUE_STATE): self.array(key)},
-            )
-            for state, state_key in states.items():
-                self._add_state(param, name, state, state_key)
-            params[name] = param
-        client_state = self._client_state(layout.other)
-        return SourceCheckpoint(
-            source=self._source_info(params),
-            params=params,
-            buffers=buffers,
-            tied={},
-            optimizer=_optimizer_info(params, groups) if layout.optimizer_key else None,
-            progress=training_progress(client_state.values, params),
-            client_state=client_state,
-            files=list(self.handles),
-            closers=[self.close_descriptors],
-        )
-
-    def _add_state(self, param: SourceParam, name: str, state: str, key: str) -> None:
-        entry = self.metadata.entries[key]
-        if isinstance(entry, DcpBytes) or not entry.shape:
-            param.scalars[state] = self.scalar(key)
-        elif entry.shape == param.shape:
-            param.arrays[state] = self.array(key)
-        else:
-            raise LayoutMismatchError(
-                f"{self.folder}: optimizer state '{state}' of '{name}' has shape "
-                f"{list(entry.shape)}, the parameter {list(param.shape)}."
-            )
-
-    def _groups(self, layout: DcpLayout) -> list[OptimizerGroup]:
-        if layout.nested:
-            return [self._nested_group(layout, index) for index in sorted(layout.groups, key=int)]
-        groups: list[OptimizerGroup] = []
-        by_identity: dict[str, int] = {}
-        for name, keys in layout.groups.items():
-            hyper = {hp: encode(self.value(key)) for hp, key in keys.items()}
-            identity = json.dumps(hyper, sort_keys=True)
-            if identity not in by_identity:
-                by_identity[identity] = len(groups)
-                groups.append(OptimizerGroup(params=[], hyperparams=hyper))
-            groups[by_identity[identity]].params.append(name)
-        return groups
-
-    def _nested_group(self, layout: DcpLayout, index: str) -> OptimizerGroup:
-        keys = layout.groups[index]
-        if "params" not in keys:
-            raise NotACheckpointError(f"{self.folder}: param group {index} has no 'params' list.")
-        members = self.value(keys["params"])
-        if not isinstance(members, list) or not all(m in layout.params for m in members):
-            raise NotACheckpointError(
-                f"{self.folder}: param group {index} lists {str(members)[:120]}, not FQNs of the "
-                "model's weights; save the optimizer with get_optimizer_state_dict."
-            )
-        hyper = {hp: encode(self.value(key)) for hp, key in keys.items() if hp != "params"}
-        return OptimizerGroup(params=list(members), hyperparams=hyper)
-
-    def _client_state(self, keys: list[str]) -> ClientState:
-        return encode_client_state((key, self._client_value(key)) for key in keys)
-
-    def _client_value(self, key: str) -> Any:
-        entry = self.metadata.entries[key]
-        if isinstance(entry, DcpTensor):
-            return NotStored(f"tensor {entry.dtype}{list(entry.shape)}")
-        return self.value(key)
-
-    def _source_info(self, params: dict[str, SourceParam]) -> SourceInfo:
-        floats = Counter(p.dtype for p in params.values() if p.dtype in _FLOATING)
-        folders = sorted({n.rpartition("/")[0] for n in self.metadata.data_files}) or [""]
-        metadata_files = [f"{d}/{METADATA_NAME}" if d else METADATA_NAME for d in folders]
-        names = [*metadata_files, *self.metadata.data_files]
-        train = floats.most_common(1)[0][0] if floats else "float32"
-        return self.source_info(names, checkpoint_format="torch-dcp", train_dtype=train)
-
-    def source_info(
-        self,
-        names: list[str],
-        *,
-        checkpoint_format: str,
-        train_dtype: str,
-        optimizer_wrapper: str = "",
-    ) -> SourceInfo:
-        """The provenance of a folder written by ``dcp.save``: its files ``names`` (sizes read
-        now), its world size, the format built on DCP."""
-        return SourceInfo(
-            framework="pytorch",
-            framework_version="unknown",
-            written_by="convert",
-            checkpoint_format=checkpoint_format,
-            path=str(self.folder.resolve()),
-            tag="",
-            world_size=self.metadata.world_size,
-            train_dtype=train_dtype,  # type: ignore[arg-type]
-            optimizer_wrapper=optimizer_wrapper,
-            files=[SourceFile(name=n, size=(self.folder / n).stat().st_size) for n in names],
-        )
 
 
 #: The item opener, for readers of formats built on DCP (Megatron-Core ``torch_dist``):

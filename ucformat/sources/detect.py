@@ -15,9 +15,14 @@ from ucformat.sources.base import SourceCheckpoint
 from ucformat.sources.dcp import is_dcp_folder, read_dcp_checkpoint
 from ucformat.sources.deepspeed.checkpoint import read_deepspeed_checkpoint
 from ucformat.sources.deepspeed.pipeline import is_pipeline_folder, read_pipeline_checkpoint
+from ucformat.sources.lightning_meta import with_lightning_meta
 from ucformat.sources.megatron import is_megatron_folder, read_megatron_checkpoint
 from ucformat.sources.safe_unpickle import PicklePolicy
 from ucformat.sources.safetensors import is_safetensors_source, read_safetensors
+from ucformat.sources.torch_checkpointing import (
+    is_torch_checkpointing_folder,
+    read_torch_checkpointing,
+)
 from ucformat.sources.unwrap import unwrap_names
 
 __all__ = ["read_source"]
@@ -31,14 +36,18 @@ def read_source(
     model_key: str | None = None,
     optimizer_key: str | None = None,
     check_crc: bool = True,
+    head_dim: int | None = None,
 ) -> SourceCheckpoint:
     """Open ``src`` with the reader its files call for (a ``.metadata`` file means DCP; a
     ``pytorch_model_fsdp_0/`` DCP folder in it, an Accelerate FSDP2 ``save_state`` folder; a
-    ``.safetensors`` file or a folder of them without DeepSpeed files, Hugging Face weights).
+    ``.safetensors`` file or a folder of them without DeepSpeed files, Hugging Face weights;
+    ``metadata.pkl``, a torch_checkpointing folder).
 
     ``check_crc``: checksum DeepSpeed shard files' tensor bytes as they are read (their zip
-    CRC-32; DCP items are not checked this way yet). Names are the model's own: wrapper
-    components (``_checkpoint_wrapped_module.``, ``_orig_mod.``, ``_fsdp_wrapped_module.``) are
+    CRC-32; DCP items are not checked this way yet). ``head_dim``: DCP and torch_checkpointing
+    folders of torchtitan's ``fuse_qkv`` (split weights, fused optimizer state) are rejoined
+    with heads of this many rows (:mod:`ucformat.sources.torchtitan`). Names are the model's
+    own: wrapper components (``_checkpoint_wrapped_module.``, ``_orig_mod.``, ``_fsdp_wrapped_module.``) are
     dropped (:mod:`ucformat.sources.unwrap`).
 
     Raises:
@@ -50,17 +59,31 @@ def read_source(
     index = accelerate_model_index(src)
     if index is not None and tag is None and model_key is None and optimizer_key is None:
         return unwrap_names(read_accelerate_state(Path(src).parent, index=index, policy=policy))
+    if is_torch_checkpointing_folder(src):
+        if tag is not None:
+            raise UnsupportedCheckpointError(
+                f"{src}: is a torch_checkpointing folder; --tag applies to DeepSpeed run "
+                "folders only."
+            )
+        return unwrap_names(
+            read_torch_checkpointing(
+                src,
+                model_key=model_key,
+                optimizer_key=optimizer_key,
+                policy=policy,
+                head_dim=head_dim,
+            )
+        )
     if is_dcp_folder(src):
         if tag is not None:
             raise UnsupportedCheckpointError(
                 f"{src}: is a PyTorch Distributed Checkpoint folder; --tag applies to DeepSpeed "
                 "run folders only."
             )
-        return unwrap_names(
-            read_dcp_checkpoint(
-                src, model_key=model_key, optimizer_key=optimizer_key, policy=policy
-            )
+        ckpt = read_dcp_checkpoint(
+            src, model_key=model_key, optimizer_key=optimizer_key, policy=policy, head_dim=head_dim
         )
+        return unwrap_names(with_lightning_meta(ckpt, src, policy))
     if is_accelerate_folder(src):  # Accelerate FSDP2 save_state: model + optimizer DCP folders
         if tag is not None or model_key is not None or optimizer_key is not None:
             raise UnsupportedCheckpointError(
@@ -68,6 +91,11 @@ def read_source(
                 "--optimizer-key do not apply (convert its DCP folders one by one to use them)."
             )
         return unwrap_names(read_accelerate_state(src, policy=policy))
+    if head_dim is not None:
+        raise UnsupportedCheckpointError(
+            f"{src}: --head-dim applies to DCP and torch_checkpointing folders (torchtitan's "
+            "fuse_qkv) only."
+        )
     if is_safetensors_source(src):
         if tag is not None or model_key is not None or optimizer_key is not None:
             raise UnsupportedCheckpointError(

@@ -17,9 +17,16 @@ the global. Nothing from the file is imported or called. The table has three kin
   name and arguments and do nothing else. They surface in the manifest as unrepresentable
   client state, listed by key and type.
 
+* **DTensors** (a ``torch.save`` of DTensors, as torch_checkpointing writes them): the wrapper
+  rebuild becomes a :class:`DTensorRef` (the local tensor's :class:`StorageRef`-backed tensor,
+  the global shape, the pickled spec), the spec's classes (:data:`DTENSOR_CLASSES`: mesh,
+  layout, placements, tensor meta) are :class:`StandIn` attribute holders.
+
 A PyTorch Distributed Checkpoint's ``.metadata`` is decoded by :func:`load_dcp_metadata_pickle`
 with a table of its own: DCP's metadata dataclasses as stand-ins and a few inert values, nothing
-else (no tensors, no placeholders).
+else (no tensors, no placeholders). A pickle of plain data (torch_checkpointing's
+``metadata.pkl``: dicts, lists, tuples, strings, numbers) is decoded by
+:func:`load_data_pickle`, which admits no global at all.
 
 docs/format.md (security) lists the tables and why each entry is there.
 """
@@ -42,11 +49,14 @@ from ucformat.format.dtypes import itemsize
 __all__ = [
     "DCP_METADATA_CLASSES",
     "DCP_PLAN_CLASSES",
+    "DTENSOR_CLASSES",
+    "DTensorRef",
     "DtypeName",
     "OpaqueObject",
     "PicklePolicy",
     "StandIn",
     "StorageRef",
+    "load_data_pickle",
     "load_dcp_metadata_pickle",
     "load_pickle",
 ]
@@ -198,6 +208,43 @@ _DCP_STAND_INS: dict[str, type[StandIn]] = {
 }
 
 
+#: The classes a pickled DTensor's spec is made of (torch 2.x): read as attribute holders.
+DTENSOR_CLASSES: tuple[str, ...] = (
+    "torch.distributed.tensor._dtensor_spec.DTensorSpec",
+    "torch.distributed.tensor._dtensor_spec.TensorMeta",
+    "torch.distributed.tensor._dtensor_spec.ShardOrderEntry",
+    "torch.distributed.device_mesh.DeviceMesh",
+    "torch.distributed._mesh_layout._MeshLayout",
+    "torch.distributed._mesh_layout._FlatLayout",
+    "torch.distributed.tensor.placement_types.Shard",
+    "torch.distributed.tensor.placement_types._StridedShard",
+    "torch.distributed.tensor.placement_types.Replicate",
+    "torch.distributed.tensor.placement_types.Partial",
+)
+
+_DTENSOR_STAND_INS: dict[str, type[StandIn]] = {name: _stand_in(name) for name in DTENSOR_CLASSES}
+
+
+@dataclass(frozen=True, eq=False)
+class DTensorRef:
+    """A pickled DTensor: its local tensor (as ``make_tensor`` made it), its global shape and
+    dtype, and the pickled ``DTensorSpec`` (a :class:`StandIn`: mesh, placements)."""
+
+    local: Any
+    shape: tuple[int, ...]
+    dtype: Any
+    spec: Any
+
+
+@dataclass(frozen=True)
+class _WrapperArgs:
+    """``_rebuild_wrapper_subclass``'s arguments: the subclass's global geometry."""
+
+    kind: Any
+    dtype: Any
+    shape: tuple[int, ...]
+
+
 def _mem_format(value: Any) -> int:
     """``_MEM_FORMAT_ENCODING(n)`` (an Enum call) is just its number."""
     if not isinstance(value, int) or isinstance(value, bool):
@@ -249,6 +296,23 @@ class _TypeMarker:
         self.name = name
 
 
+_DTENSOR = _TypeMarker("DTensor")
+
+
+def _dtensor(source: str, wrapper: _WrapperArgs, new_type: Any, state: Any) -> DTensorRef:
+    """A DTensor rebuilt from ``_rebuild_wrapper_subclass`` and its pickled state."""
+    if wrapper.kind is not _DTENSOR or new_type is not _DTENSOR:
+        raise UnsafePickleError(
+            f"{source}: _rebuild_wrapper_subclass of {getattr(new_type, 'name', new_type)!r}, "
+            "not a DTensor; ucformat reads no other tensor subclass."
+        )
+    if isinstance(state, tuple) and len(state) == 2:  # (dict state, slot state)
+        state = {**(state[0] or {}), **(state[1] or {})}
+    if not isinstance(state, dict) or "_local_tensor" not in state or "_spec" not in state:
+        raise UnsafePickleError(f"{source}: a pickled DTensor without its local tensor and spec.")
+    return DTensorRef(state["_local_tensor"], wrapper.shape, wrapper.dtype, state["_spec"])
+
+
 class _StorageType:
     def __init__(self, dtype_name: str) -> None:
         self.dtype_name = dtype_name
@@ -283,7 +347,12 @@ def load_pickle(
     def rebuild_parameter(data: Any, *_: Any) -> Any:
         return data
 
-    def rebuild_from_type(func: Callable[..., Any], _new_type: Any, args: Any, _state: Any) -> Any:
+    def rebuild_wrapper(kind: Any, dtype: Any, size: Any, *_: Any) -> _WrapperArgs:
+        return _WrapperArgs(kind, dtype, _torch_size(size))
+
+    def rebuild_from_type(func: Callable[..., Any], new_type: Any, args: Any, state: Any) -> Any:
+        if func is rebuild_wrapper:
+            return _dtensor(source, func(*args), new_type, state)
         if func not in (rebuild_tensor, rebuild_parameter):
             raise UnsafePickleError(f"{source}: _rebuild_from_type_v2 wraps a foreign function.")
         return func(*args)
@@ -294,6 +363,11 @@ def load_pickle(
         "torch._utils._rebuild_parameter": rebuild_parameter,
         "torch._utils._rebuild_parameter_with_state": rebuild_parameter,
         "torch._tensor._rebuild_from_type_v2": rebuild_from_type,
+        "torch._utils._rebuild_wrapper_subclass": rebuild_wrapper,
+        "torch.distributed.tensor.DTensor": _DTENSOR,
+        "torch.distributed.tensor._api.DTensor": _DTENSOR,
+        "torch.serialization._get_layout": _layout_name,
+        **_DTENSOR_STAND_INS,
         "torch.Tensor": _TypeMarker("Tensor"),
         "torch.nn.parameter.Parameter": _TypeMarker("Parameter"),
         "torch.Size": _torch_size,
@@ -314,6 +388,21 @@ def load_pickle(
         return StorageRef(str(key), storage_type.dtype_name, int(numel))
 
     return _restricted_load(payload, source, table, policy, persistent_load, torch_file=True)
+
+
+def load_data_pickle(payload: bytes, *, source: str) -> Any:
+    """Decode a pickle of plain data (dicts, lists, tuples, strings, numbers, None).
+
+    No global is admitted (not even a placeholder), no persistent id: anything else is refused
+    with :class:`~ucformat.errors.UnsafePickleError`.
+    """
+
+    def persistent_load(pid: Any) -> Any:
+        raise UnsafePickleError(f"{source}: unexpected persistent id {pid!r:.80}.")
+
+    return _restricted_load(
+        payload, source, {}, PicklePolicy(), persistent_load, torch_file=False, plain=True
+    )
 
 
 def load_dcp_metadata_pickle(payload: bytes, *, source: str) -> Any:
@@ -374,8 +463,10 @@ def _restricted_load(
     persistent_load: Callable[[Any], Any],
     *,
     torch_file: bool,
+    plain: bool = False,
 ) -> Any:
-    """Unpickle ``payload`` resolving globals through ``table`` (+ torch dtypes, placeholders)."""
+    """Unpickle ``payload`` resolving globals through ``table`` (+ torch dtypes, placeholders;
+    ``plain``: nothing but ``table``)."""
     opaque_classes: dict[str, type[StandIn]] = {}
     admit_opaque = torch_file  # the .metadata reader admits no placeholders at all
 
@@ -385,7 +476,9 @@ def _restricted_load(
             qualname = f"{module}.{name}"
             if qualname in table:
                 return table[qualname]
-            if module == "torch" and not torch_file:
+            if plain:
+                pass
+            elif module == "torch" and not torch_file:
                 if name in _DTYPE_ATTRIBUTES or _DTYPE_LIKE.match(name):  # a name, nothing more
                     return DtypeName(_DTYPE_ATTRIBUTES.get(name, name))
             elif module == "torch":
