@@ -7,7 +7,9 @@ checkpointing: the model's parameters are named ``layers.N._checkpoint_wrapped_m
 * ``fused`` (``fuse_qkv=True``, as every llama3 flavour): torchtitan's state-dict hook saves the
   weights split (``wq``/``wk``/``wv``) while the optimizer state stays under the fused ``wqkv``,
   whose rows interleave per KV head by a rule that needs ``head_dim``, which the checkpoint does
-  not record: ``convert`` refuses in one line naming both layouts.
+  not record: ``convert`` refuses in one line naming both layouts and ``--head-dim``; with
+  ``--head-dim`` the store holds ``wqkv`` (weights and AdamW state) bit-exact against the job's
+  live fused parameter.
 * ``unfused`` (``fuse_qkv=False``): converts with no flags; the store holds every weight and
   AdamW state bit-exact against the job's gathered state, resumes in torchtitan's Trainer at
   W=3 through ``ucformat.torch.load`` (names matched through the checkpoint wrapper), optimizer
@@ -76,8 +78,31 @@ def test_fused_qkv_is_refused_in_one_line(folder: Path, tmp_path: Path) -> None:
     for name in (f"{attn}.wq.weight", f"{attn}.wk.weight", f"{attn}.wv.weight"):
         assert name in message
     assert f"'{attn}.wqkv.weight'" in message and "fuse_qkv" in message
+    assert "--head-dim" in message
     assert "--model-key" not in message and "Traceback" not in result.output
     assert not (tmp_path / "fused.ucf").exists()
+
+
+def test_fused_qkv_converts_with_the_head_dimension(folder: Path, tmp_path: Path) -> None:
+    """``--head-dim 8`` (dim 32 / 4 heads): every parameter, the fused ``wqkv`` included, and
+    its AdamW state equal the job's live state bit for bit."""
+    src, out = step_dir(folder, "fused"), tmp_path / "fused.ucf"
+    result = CliRunner().invoke(app, ["convert", str(src), str(out), "--head-dim", "8"])
+    assert result.exit_code == 0, result.output
+    truth = _truth(folder, "fused")
+    ckpt = ucformat.open(out)
+    live = {k.removeprefix("param.").replace(WRAPPER, ""): k.removeprefix("param.")
+            for k in truth if k.startswith("param.")}  # fmt: skip
+    assert set(ckpt.manifest.params) == set(live)
+    assert any(name.endswith("qkv_linear.wqkv.weight") for name in live)
+    for name, key in live.items():
+        assert _same(ckpt.read(name, "fp32"), truth[f"param.{key}"]), name
+        for state in ("exp_avg", "exp_avg_sq"):
+            assert _same(ckpt.read(name, state), truth[f"optim.{key}.{state}"]), (name, state)
+    wrong = CliRunner().invoke(
+        app, ["convert", str(src), str(tmp_path / "w.ucf"), "--head-dim", "5"]
+    )
+    assert wrong.exit_code == 2 and "--head-dim 5 does not fit" in " ".join(wrong.output.split())
 
 
 def test_unfused_store_holds_the_gathered_state(folder: Path, store: Path) -> None:

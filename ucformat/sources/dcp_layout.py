@@ -58,11 +58,16 @@ class DcpLayout:
         groups: flat layout: fqn -> hyper-parameter -> key; nested: ``str(i)`` -> ... (with
             ``params``), both in saving order.
         other: every other key (client state).
+        fused: owner -> the split weights it fuses (torchtitan's fuse_qkv, given a head
+            dimension): the owner's state is in ``states``, its weights in ``params``.
+        head_dim: the head dimension that rejoins fused weights (None: they are refused).
     """
 
     model_key: str
     optimizer_key: str | None
     nested: bool = False
+    head_dim: int | None = None
+    fused: dict[str, list[str]] = field(default_factory=dict)
     params: dict[str, str] = field(default_factory=dict)
     states: dict[str, dict[str, str]] = field(default_factory=dict)
     groups: dict[str, dict[str, str]] = field(default_factory=dict)
@@ -137,8 +142,12 @@ def split_layout(
     *,
     model_key: str | None = None,
     optimizer_key: str | None = None,
+    head_dim: int | None = None,
 ) -> DcpLayout:
     """Sort ``keys`` (flattened, in saving order; ``tensors`` are the tensor entries) by role.
+
+    ``head_dim``: rejoin weights saved split under an optimizer state kept fused (torchtitan's
+    ``fuse_qkv``) with heads of this many rows; None refuses such a checkpoint.
 
     Raises:
         NotACheckpointError: no layout fits (the message names the keys found and the options).
@@ -157,7 +166,7 @@ def split_layout(
         params = {k[len(model_key) + 1 :]: k for k in _under(keys, model_key) if k in tensors}
     if not params:
         raise _unknown(where, keys, f"no tensors under the model key '{model_key}'")
-    layout = DcpLayout(model_key, optim, params=params)
+    layout = DcpLayout(model_key, optim, params=params, head_dim=head_dim)
     kinds: set[str] = set()
     for key in keys:
         if key in optim_keys:
@@ -205,16 +214,20 @@ def _optimizer_entry(
     section, _, body = rest.partition(".")
     owner, _, name = body.rpartition(".")
     if section == "state" and owner:
-        if owner not in layout.params:
+        if owner not in layout.params and owner not in layout.fused:
             fused = _fused_siblings(owner, layout.params)
-            if fused:
+            if fused and layout.head_dim is None:
                 raise UnsupportedCheckpointError(
                     f"{where}: the weights are saved split ({', '.join(fused)}) but the optimizer "
                     f"state is under the fused '{owner}' (torchtitan's fuse_qkv state-dict hook: "
                     "the fused rows interleave per KV head, which the checkpoint does not record); "
-                    "resume the run in torchtitan and save it with ucformat.torch.save (the live "
-                    "model holds the fused weights), or train with fuse_qkv=False."
+                    "pass --head-dim N (the model's head dimension, torchtitan's dim // n_heads) "
+                    "to rejoin them."
                 )
+            if fused:
+                layout.fused[owner] = fused
+                layout.states.setdefault(owner, {})[name] = key
+                return
             raise NotACheckpointError(
                 f"{where}: optimizer state '{key}' belongs to '{owner}', which is not a weight of "
                 f"the model section '{layout.model_key}'"
@@ -227,7 +240,11 @@ def _optimizer_entry(
             )
         layout.states.setdefault(owner, {})[name] = key
     elif section == "param_groups" and owner:
-        if owner in layout.params:
+        if owner not in layout.params and layout.head_dim is not None:
+            fused = _fused_siblings(owner, layout.params)
+            if fused:
+                layout.fused.setdefault(owner, fused)
+        if owner in layout.params or owner in layout.fused:
             kinds.add("flat")
         elif owner.isdigit():
             kinds.add("nested")

@@ -47,8 +47,8 @@ def read_source(
     CRC-32; DCP items are not checked this way yet). ``head_dim``: DCP and torch_checkpointing
     folders of torchtitan's ``fuse_qkv`` (split weights, fused optimizer state) are rejoined
     with heads of this many rows (:mod:`ucformat.sources.torchtitan`). Names are the model's
-    own: wrapper components (``_checkpoint_wrapped_module.``, ``_orig_mod.``, ``_fsdp_wrapped_module.``) are
-    dropped (:mod:`ucformat.sources.unwrap`).
+    own: wrapper components (``_checkpoint_wrapped_module.``, ``_orig_mod.``,
+    ``_fsdp_wrapped_module.``) are dropped (:mod:`ucformat.sources.unwrap`).
 
     Raises:
         UnsupportedCheckpointError: an option of one format was given for the other.

@@ -55,10 +55,13 @@ def plan_from_source(
     model_key: str | None = None,
     optimizer_key: str | None = None,
     tp_max: int | None = None,
+    head_dim: int | None = None,
 ) -> ConvertPlan:
     """Read ``src``'s metadata and plan its conversion, without writing anything."""
     # a dry run reads no tensor bytes: nothing to checksum
-    with _read(src, tag, opaque_globals, model_key, optimizer_key, check_crc=False) as source:
+    with _read(
+        src, tag, opaque_globals, model_key, optimizer_key, check_crc=False, head_dim=head_dim
+    ) as source:
         return plan_convert(source, _options(chunk_bytes, shard_bytes, compressor, tp_max))
 
 
@@ -80,6 +83,7 @@ def convert(
     model_key: str | None = None,
     optimizer_key: str | None = None,
     tp_max: int | None = None,
+    head_dim: int | None = None,
 ) -> CheckpointManifest:
     """Convert a DeepSpeed ZeRO checkpoint or a PyTorch Distributed Checkpoint into a store.
 
@@ -108,6 +112,8 @@ def convert(
         tp_max: the largest tensor-parallel degree loads should read lean at: matrices of at
             least 1 MiB get box chunks of ``ceil(columns / tp_max)`` columns (default 8; 1
             gives flat-contiguous chunks only; docs/format.md §2.2).
+        head_dim: DCP / torch_checkpointing only: torchtitan's ``fuse_qkv`` checkpoints (weights
+            saved split, optimizer state fused) are rejoined with heads of this many rows.
 
     Returns:
         The committed manifest (for ``dry_run``, the manifest that would be written).
@@ -120,8 +126,9 @@ def convert(
     """
     hooks = hooks or ConvertHooks()
     with _read(
-        src, tag, opaque_globals, model_key, optimizer_key, check_crc=check_source
-    ) as source:
+        src, tag, opaque_globals, model_key, optimizer_key, check_crc=check_source,
+        head_dim=head_dim,
+    ) as source:  # fmt: skip
         plan = plan_convert(source, _options(chunk_bytes, shard_bytes, compressor, tp_max))
         if hooks.on_plan is not None:
             hooks.on_plan(plan)
@@ -179,6 +186,7 @@ def _read(
     optimizer_key: str | None,
     *,
     check_crc: bool,
+    head_dim: int | None = None,
 ) -> SourceCheckpoint:
     """The source at ``src`` (a local folder), opened by the reader its files call for."""
     return read_source(
@@ -188,6 +196,7 @@ def _read(
         model_key=model_key,
         optimizer_key=optimizer_key,
         check_crc=check_crc,
+        head_dim=head_dim,
     )
 
 
