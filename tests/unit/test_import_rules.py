@@ -21,6 +21,7 @@ FLOORS: tuple[frozenset[str], ...] = (
     frozenset({"sources", "store", "collective"}),
     frozenset({"read", "write"}),
     frozenset({"verify", "export", "deepspeed", "torch"}),
+    frozenset({"lightning", "transformers"}),  # trainer bindings over deepspeed/ and torch/
     frozenset({""}),  # ucformat/__init__.py: the public API
 )
 
