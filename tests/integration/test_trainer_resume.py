@@ -182,3 +182,32 @@ def test_export_notes_say_what_the_trainer_will_do(saved: dict[str, Path], tmp_p
     same = notes(2)
     assert "Trainer" not in same  # same size: every rank has its file, same data order
     assert sorted(p.name for p in ckpt.iterdir()) == before
+
+
+def test_a_store_in_the_checkpoint_folder_resumes_through_resume_from_checkpoint(
+    saved: dict[str, Path], resumed: dict[str, ResumeResult]
+) -> None:
+    """``ucformat convert checkpoint-3 checkpoint-3/ckpt.ucf``, DeepSpeed's files deleted, then
+    ``ucformat.transformers.Trainer(...).train(resume_from_checkpoint=checkpoint-3)`` at 3
+    processes and ZeRO-3 (saved: 2 processes, ZeRO-2): the Trainer's own resume restores its
+    state and RNG files, the store the engine; the state at the start equals the saving run's
+    step-3 state bit for bit (lr, scheduler, steps included), global step 3 -> 6 on the same
+    samples, and step 4's mean loss is the W=2 native resume's."""
+    result = resumed["z2-fp32@ws3-z3-store"]
+    for command, (code, out, err) in result.commands.items():
+        assert code == 0, f"ucformat {command} failed: {out}{err}"
+    assert result.commands["verify"][1].startswith("ok: ")
+    assert result.tags == ["ckpt.ucf"]  # no DeepSpeed folder left to read
+    assert all(result.untouched.values()) and "trainer_state.json" in result.untouched
+    trainer = result.trainer
+    assert trainer["failures"] == []
+    assert result.truth is not None
+    got, want = _load(result.truth), _load(saved["z2-fp32"] / "truth.pt")
+    _assert_same_state(got, want)
+    assert want["wrapper"] != got["wrapper"]  # ZeRO-2 saved, ZeRO-3 resumed
+    assert trainer["final_global_step"] == 6 and trainer["log_steps"] == [1, 2, 3, 4, 5, 6]
+    native = resumed["z2-fp32@ws2-z2"].trainer  # the W=2 native resume (= uninterrupted)
+    for step in RESUMED_STEPS:
+        assert _samples(trainer, step) == _samples(native, step), step
+    mean = [sum(r["4"][0] for r in run["losses"]) / len(run["losses"]) for run in (trainer, native)]
+    assert mean[0] == pytest.approx(mean[1], rel=1e-6)
