@@ -146,9 +146,8 @@ class ModelParallelStrategy(StoreCheckpoints, _ModelParallelStrategy):
 class DeepSpeedStrategy(StoreCheckpoints, _DeepSpeedStrategy):
     """Lightning's ``DeepSpeedStrategy`` whose checkpoints can be stores (ZeRO-1/2/3).
 
-    Takes the same arguments. Names in the store are the DeepSpeed engine's (Lightning wraps
-    the LightningModule: ``_forward_module.model...``), as a converted native checkpoint has
-    them.
+    Takes the same arguments. Names in the store are the engine's, which are the
+    LightningModule's own (``model.layers.0...``), as a converted native checkpoint has them.
     """
 
     deepspeed_engine: Any
