@@ -54,10 +54,11 @@ def read_source(
         UnsupportedCheckpointError: an option of one format was given for the other.
         UCFormatError: whatever the chosen reader raises.
     """
-    if is_megatron_folder(src) and model_key is None and optimizer_key is None and tag is None:
+    plain = tag is None and model_key is None and optimizer_key is None and head_dim is None
+    if is_megatron_folder(src) and plain:
         return read_megatron_checkpoint(src, policy=policy)  # a DCP folder with Megatron's keys
     index = accelerate_model_index(src)
-    if index is not None and tag is None and model_key is None and optimizer_key is None:
+    if index is not None and plain:
         return unwrap_names(read_accelerate_state(Path(src).parent, index=index, policy=policy))
     if is_torch_checkpointing_folder(src):
         if tag is not None:
@@ -85,10 +86,11 @@ def read_source(
         )
         return unwrap_names(with_lightning_meta(ckpt, src, policy))
     if is_accelerate_folder(src):  # Accelerate FSDP2 save_state: model + optimizer DCP folders
-        if tag is not None or model_key is not None or optimizer_key is not None:
+        if not plain:
             raise UnsupportedCheckpointError(
-                f"{src}: is an Accelerate save_state folder; --tag, --model-key and "
-                "--optimizer-key do not apply (convert its DCP folders one by one to use them)."
+                f"{src}: is an Accelerate save_state folder; --tag, --model-key, "
+                "--optimizer-key and --head-dim do not apply (convert its DCP folders one by one "
+                "to use them)."
             )
         return unwrap_names(read_accelerate_state(src, policy=policy))
     if head_dim is not None:
