@@ -71,6 +71,11 @@ class StoreCheckpoints:
         if not is_store_path(filepath):
             super().save_checkpoint(checkpoint, filepath, storage_options)  # type: ignore[misc]
             return
+        if storage_options is not None:
+            raise TypeError(
+                f"{filepath}: storage_options do not apply to a store (give a URL such as "
+                "s3://bucket/ckpt.ucf; credentials come from the environment)."
+            )
         path = str(self.broadcast(str(filepath)))  # rank 0's path, as Lightning does
         restored = RESTORED | self._restored_keys(checkpoint)
         client_state, by_type = split_lightning_state(checkpoint, restored)
