@@ -1,4 +1,4 @@
-"""``ucformat export {safetensors,deepspeed-universal,deepspeed,dcp} STORE OUT``."""
+"""``ucformat export {safetensors,deepspeed-universal,deepspeed,dcp,accelerate,megatron} ...``."""
 
 from __future__ import annotations
 
@@ -24,8 +24,8 @@ if TYPE_CHECKING:  # the exporters (and torch) are imported by the command that 
 export_app = typer.Typer(
     name="export",
     help="Write a store in another format: safetensors weights, DeepSpeed's universal "
-    "checkpoint, a native DeepSpeed ZeRO checkpoint for a new world size, or a PyTorch "
-    "Distributed Checkpoint.",
+    "checkpoint, a native DeepSpeed ZeRO checkpoint for a new world size, a PyTorch "
+    "Distributed Checkpoint, or a Megatron-Core torch_dist checkpoint for a new TP x PP x EP.",
     no_args_is_help=True,
     rich_markup_mode=None,  # plain help (defaults shown) and one-line usage errors
 )
@@ -353,8 +353,53 @@ def accelerate_command(
     )
 
 
+@user_errors
+def megatron_command(
+    store: Store,
+    out: Out,
+    tp: Annotated[
+        int, typer.Option("--tp", help="Tensor-parallel degree to resume at.", min=1)
+    ] = 1,
+    pp: Annotated[int, typer.Option("--pp", help="Pipeline-parallel stages.", min=1)] = 1,
+    ep: Annotated[int, typer.Option("--ep", help="Expert-parallel degree (MoE).", min=1)] = 1,
+    distributed_optimizer: Annotated[
+        bool | None,
+        typer.Option(
+            "--distributed-optimizer/--no-distributed-optimizer",
+            help="Optimizer state for Megatron's distributed optimizer (fully_reshardable) or a "
+            "non-distributed one [default: the source's].",
+            show_default=False,
+        ),
+    ] = None,
+    dtype: Dtype = None,
+    overwrite: Overwrite = False,
+    dry_run: DryRun = False,
+    quiet: Quiet = False,
+) -> None:
+    """A Megatron-Core torch_dist checkpoint (OUT/iter_N/, the tracker file) that Megatron-LM
+    and stock dist_checkpointing.load resume at TP x PP x EP."""
+    _run(
+        "exporting Megatron-Core",
+        quiet,
+        dry_run,
+        lambda hooks: _exporters().export_megatron(
+            store,
+            out,
+            tp=tp,
+            pp=pp,
+            ep=ep,
+            distributed_optimizer=distributed_optimizer,
+            dtype=dtype,
+            overwrite=overwrite,
+            dry_run=dry_run,
+            hooks=hooks,
+        ),
+    )
+
+
 export_app.command("safetensors", cls=PlainCommand)(safetensors_command)
 export_app.command("deepspeed-universal", cls=PlainCommand)(universal_command)
 export_app.command("deepspeed", cls=PlainCommand)(deepspeed_command)
 export_app.command("dcp", cls=PlainCommand)(dcp_command)
 export_app.command("accelerate", cls=PlainCommand)(accelerate_command)
+export_app.command("megatron", cls=PlainCommand)(megatron_command)

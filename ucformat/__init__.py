@@ -42,7 +42,7 @@ _LAZY_ATTRIBUTES: dict[str, tuple[str, str]] = {
 }
 
 #: Submodules reached as attributes (``ucformat.deepspeed.load``) and imported on first access.
-_LAZY_SUBMODULES = frozenset({"deepspeed", "export", "torch"})
+_LAZY_SUBMODULES = frozenset({"deepspeed", "export", "megatron", "torch"})
 
 
 def __getattr__(name: str) -> object:

@@ -20,7 +20,7 @@ FLOORS: tuple[frozenset[str], ...] = (
     frozenset({"format", "layout", "sysio"}),
     frozenset({"sources", "store", "collective"}),
     frozenset({"read", "write"}),
-    frozenset({"verify", "export", "deepspeed", "torch"}),
+    frozenset({"verify", "export", "deepspeed", "torch", "megatron"}),
     frozenset({"lightning", "transformers"}),  # trainer bindings over deepspeed/ and torch/
     frozenset({""}),  # ucformat/__init__.py: the public API
 )

@@ -8,7 +8,9 @@
 * :func:`export_dcp`: a PyTorch Distributed Checkpoint that stock ``dcp.load`` reads into an
   FSDP2 model at any world size;
 * :func:`export_accelerate`: an Accelerate FSDP2 ``save_state`` folder that stock
-  ``accelerator.load_state`` resumes at any world size.
+  ``accelerator.load_state`` resumes at any world size;
+* :func:`export_megatron`: a Megatron-Core ``torch_dist`` checkpoint that Megatron-LM and stock
+  ``dist_checkpointing.load`` resume at a new TP x PP x EP, with the optimizer of either kind.
 
 Each target module plans from the manifest alone (so ``dry_run`` reads no tensor), then streams
 the arrays it needs through :class:`~ucformat.read.checkpoint.UniversalCheckpoint`. DeepSpeed is
@@ -25,6 +27,7 @@ from ucformat.export.deepspeed_universal import (
     export_deepspeed_universal,
     plan_deepspeed_universal,
 )
+from ucformat.export.megatron import export_megatron, plan_megatron
 from ucformat.export.safetensors import export_safetensors, plan_safetensors
 
 __all__ = [
@@ -34,9 +37,11 @@ __all__ = [
     "export_dcp",
     "export_deepspeed",
     "export_deepspeed_universal",
+    "export_megatron",
     "export_safetensors",
     "plan_dcp",
     "plan_deepspeed",
     "plan_deepspeed_universal",
+    "plan_megatron",
     "plan_safetensors",
 ]

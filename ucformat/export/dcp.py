@@ -22,10 +22,12 @@ Algorithm:
    into pieces of at most ``piece_bytes``; rank ``r``'s pieces go to ``__r_0.distcp``,
    non-tensor values to ``__0_0.distcp``. A stock ``dcp.load`` reshards any chunking, so the
    checkpoint loads at every world size.
-2. **Execute**: one data file at a time, each piece read with ``read_range`` (a dim-0 piece is
-   one flat range), ``torch.save``d and appended; its byte range recorded. Peak memory is about
-   two pieces. ``.metadata`` is pickled from ``torch.distributed.checkpoint.metadata``'s own
-   classes and written last (temporary file, fsync, rename), as DCP commits.
+2. **Execute** (:func:`write_dcp_files`, also the writer of ``export megatron``): one data
+   file at a time, each piece (a box of the DCP tensor: its values are a box of one store
+   array) read with ``read_runs`` (a dim-0 piece is one flat range), ``torch.save``d and
+   appended; its byte range recorded. Peak memory is about two pieces. ``.metadata`` is
+   pickled from ``torch.distributed.checkpoint.metadata``'s own classes and written last
+   (temporary file, fsync, rename), as DCP commits.
 
 torch's Adam/AdamW expect every hyper-parameter key in each group and a tensor ``step``: for a
 store from another optimizer (DeepSpeed's FusedAdam) missing keys get torch's defaults
@@ -62,11 +64,19 @@ from ucformat.format.models import CheckpointManifest, ScalarState
 from ucformat.format.pyvalue import decode
 from ucformat.format.spec import FP32_STATE
 from ucformat.format.summary import format_bytes
-from ucformat.layout.boxes import RowChunk, row_chunks
+from ucformat.layout.boxes import chunk_runs, row_chunks
 from ucformat.read.checkpoint import BUFFER_STATE, UniversalCheckpoint
 from ucformat.store.keys import StoreLike
 
-__all__ = ["DcpPiece", "DcpPlan", "DcpTensorItem", "DcpValueItem", "export_dcp", "plan_dcp"]
+__all__ = [
+    "DcpPiece",
+    "DcpPlan",
+    "DcpTensorItem",
+    "DcpValueItem",
+    "export_dcp",
+    "plan_dcp",
+    "write_dcp_files",
+]
 
 METADATA_NAME = ".metadata"
 DEFAULT_PIECE_BYTES = 64 * 2**20
@@ -85,19 +95,43 @@ Layout = Literal["flat", "nested"]
 KeyPath = tuple[str | int, ...]
 
 
-#: One chunk DCP writes: rows ``[row_start, row_stop)`` of a tensor, written by ``rank`` (0-d:
-#: the value); the pieces :func:`~ucformat.layout.boxes.row_chunks` cuts.
-DcpPiece = RowChunk
+@dataclass(frozen=True)
+class DcpPiece:
+    """One chunk DCP writes: the box ``offsets``/``sizes`` of the DCP tensor, written by ``rank``
+    into ``__<rank>_0.distcp``; its values are the box of array ``state`` of store parameter
+    ``name`` at ``source`` (offsets in the array's own shape) whose sizes are ``sizes`` without
+    the leading dims the DCP tensor prepends (Megatron-Core's layer axis). A 0-d tensor is one
+    piece with empty offsets and sizes."""
+
+    rank: int
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    name: str
+    state: str
+    source: tuple[int, ...]
+
+    @property
+    def source_sizes(self) -> tuple[int, ...]:
+        """The box's sizes in the store array (the prepended dims dropped)."""
+        return self.sizes[len(self.sizes) - len(self.source) :]
+
+    @property
+    def row_start(self) -> int:
+        """First row of dim 0 (0 for a 0-d tensor)."""
+        return self.offsets[0] if self.offsets else 0
+
+    @property
+    def row_stop(self) -> int:
+        """Row after the last of dim 0 (1 for a 0-d tensor)."""
+        return self.offsets[0] + self.sizes[0] if self.offsets else 1
 
 
 @dataclass(frozen=True)
 class DcpTensorItem:
-    """One tensor key: where its values come from and how it is cut."""
+    """One tensor key: its global shape and dtype, and the pieces it is cut into."""
 
     key: str
     path: KeyPath
-    name: str
-    state: str
     shape: tuple[int, ...]
     dtype: str
     pieces: tuple[DcpPiece, ...]
@@ -168,11 +202,11 @@ def plan_dcp(
     def add(key: str, path: KeyPath, name: str, state: str, shape: tuple[int, ...], dtype: str,
             scalar: ScalarState | None = None) -> None:  # fmt: skip
         elements = max(1, piece_bytes // itemsize(dtype))
-        cut = row_chunks(shape, world_size, elements)
-        if not cut and shape:  # an empty tensor: one empty chunk, as DCP writes it
-            cut = [DcpPiece(0, 0, shape[0])]
-        pieces = tuple(cut)
-        tensors.append(DcpTensorItem(key, path, name, state, shape, dtype, pieces, scalar))
+        rows = [(c.rank, c.row_start, c.row_stop) for c in row_chunks(shape, world_size, elements)]
+        if not rows and shape:  # an empty tensor: one empty chunk, as DCP writes it
+            rows = [(0, 0, shape[0])]
+        pieces = tuple(_row_piece(shape, rank, a, b, name, state) for rank, a, b in rows)
+        tensors.append(DcpTensorItem(key, path, shape, dtype, pieces, scalar))
 
     aliases: dict[str, list[str]] = {}
     for alias, owner in manifest.tied.items():
@@ -229,6 +263,16 @@ def plan_dcp(
     return DcpPlan(tuple(tensors), tuple(values), world_size, layout, tuple(notes))
 
 
+def _row_piece(
+    shape: tuple[int, ...], rank: int, start: int, stop: int, name: str, state: str
+) -> DcpPiece:
+    """Rows ``[start, stop)`` of a tensor of ``shape`` as a piece (0-d: the value)."""
+    if not shape:
+        return DcpPiece(rank, (), (), name, state, ())
+    offsets = (start, *(0 for _ in shape[1:]))
+    return DcpPiece(rank, offsets, (stop - start, *shape[1:]), name, state, offsets)
+
+
 def _torch_defaults(adam_w_mode: bool | None) -> dict[str, Any]:
     return {**_TORCH_ADAM_DEFAULTS, "decoupled_weight_decay": bool(adam_w_mode)}
 
@@ -257,22 +301,26 @@ def _piece_tensor(ckpt: UniversalCheckpoint, item: DcpTensorItem, piece: DcpPiec
     target = torch_dtype(item.dtype)
     if item.scalar is not None:
         return torch.tensor(item.scalar.value, dtype=target)
-    rows = piece.row_stop - piece.row_start
-    start = piece.row_start * item.row_elements
-    values = ckpt.read_range(item.name, item.state, start, start + rows * item.row_elements)
-    shape = (rows, *item.shape[1:]) if item.shape else ()  # a 0-d buffer is one "row"
-    return values.to(target).reshape(shape)
+    ref = ckpt.array_ref(piece.name, piece.state)
+    runs = chunk_runs(tuple(ref.shape), piece.source, piece.source_sizes)
+    values = ckpt.read_runs(piece.name, piece.state, runs)
+    return values.to(target).reshape(piece.sizes)
 
 
 def _write_data_file(
-    ckpt: UniversalCheckpoint, folder: Path, plan: DcpPlan, rank: int, hooks: ExportHooks
+    ckpt: UniversalCheckpoint,
+    folder: Path,
+    tensors: tuple[DcpTensorItem, ...],
+    values: tuple[DcpValueItem, ...],
+    rank: int,
+    hooks: ExportHooks,
 ) -> dict[tuple[str, int], tuple[str, int, int]]:
     """Write ``__<rank>_0.distcp``; return ``(key, piece index) -> (file, offset, length)``."""
     name = f"__{rank}_0.distcp"
     where: dict[tuple[str, int], tuple[str, int, int]] = {}
     tmp = folder / f".{name}.tmp"
     with open(tmp, "wb") as handle:
-        for item in plan.tensors:
+        for item in tensors:
             for index, piece in enumerate(item.pieces):
                 if piece.rank != rank:
                     continue
@@ -282,7 +330,7 @@ def _write_data_file(
                 handle.write(data)
                 hooks.advance(tensor.numel() * tensor.element_size())
         if rank == 0:
-            for value in plan.values:
+            for value in values:
                 data = _saved(value.value)
                 where[(value.key, -1)] = (name, handle.tell(), len(data))
                 handle.write(data)
@@ -290,6 +338,30 @@ def _write_data_file(
         os.fsync(handle.fileno())
     os.replace(tmp, folder / name)
     return where
+
+
+def write_dcp_files(
+    ckpt: UniversalCheckpoint,
+    folder: Path,
+    tensors: tuple[DcpTensorItem, ...],
+    values: tuple[DcpValueItem, ...],
+    world_size: int,
+    checkpoint_id: str | Path,
+    hooks: ExportHooks,
+) -> None:
+    """Write ``__<rank>_0.distcp`` for every rank, then ``.metadata`` (last: the commit).
+
+    Each piece goes into its writer rank's file; non-tensor values into rank 0's.
+    """
+    where: dict[tuple[str, int], tuple[str, int, int]] = {}
+    for rank in range(world_size):
+        where.update(_write_data_file(ckpt, folder, tensors, values, rank, hooks))
+    tmp = folder / f"{METADATA_NAME}.tmp"
+    with open(tmp, "wb") as handle:
+        pickle.dump(dcp_metadata(tensors, values, where, checkpoint_id), handle)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, folder / METADATA_NAME)
 
 
 def _owned(name: str) -> bool:
@@ -370,15 +442,7 @@ def _export_dcp(
     prepare_destination(folder, overwrite=overwrite, owned=_owned, dry_run=dry_run)
     hooks.plan(plan.nbytes)
     if not dry_run:
-        where: dict[tuple[str, int], tuple[str, int, int]] = {}
-        for rank in range(ranks):
-            where.update(_write_data_file(ckpt, folder, plan, rank, hooks))
-        tmp = folder / f"{METADATA_NAME}.tmp"
-        with open(tmp, "wb") as handle:
-            pickle.dump(dcp_metadata(plan, where, checkpoint_id), handle)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, folder / METADATA_NAME)
+        write_dcp_files(ckpt, folder, plan.tensors, plan.values, ranks, checkpoint_id, hooks)
     verb = "would write" if dry_run else "wrote"
     summary = (
         f"{verb} {len(plan.tensors)} tensors and {len(plan.values)} values "

@@ -17,13 +17,16 @@ import torch
 from ucformat.format.dtypes import torch_dtype
 
 if TYPE_CHECKING:
-    from ucformat.export.dcp import DcpPlan
+    from ucformat.export.dcp import DcpTensorItem, DcpValueItem
 
 __all__ = ["dcp_metadata"]
 
 
 def dcp_metadata(
-    plan: DcpPlan, where: dict[tuple[str, int], tuple[str, int, int]], out: str | Path
+    tensors: tuple[DcpTensorItem, ...],
+    values: tuple[DcpValueItem, ...],
+    where: dict[tuple[str, int], tuple[str, int, int]],
+    out: str | Path,
 ) -> Any:
     """DCP's own ``Metadata`` for the written items."""
     from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION, _StorageInfo
@@ -40,11 +43,10 @@ def dcp_metadata(
     entries: dict[str, Any] = {}
     storage: dict[Any, Any] = {}
     planner: dict[str, tuple[str | int, ...]] = {}
-    for item in plan.tensors:
+    for item in tensors:
         chunks = []
         for index, piece in enumerate(item.pieces):
-            offsets = (piece.row_start, *(0 for _ in item.shape[1:])) if item.shape else ()
-            sizes = (piece.row_stop - piece.row_start, *item.shape[1:]) if item.shape else ()
+            offsets, sizes = piece.offsets, piece.sizes
             chunks.append(ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes)))
             file, offset, length = where[(item.key, index)]
             storage[MetadataIndex(item.key, torch.Size(offsets), index)] = _StorageInfo(
@@ -54,7 +56,7 @@ def dcp_metadata(
             TensorProperties(dtype=torch_dtype(item.dtype)), torch.Size(item.shape), chunks
         )
         planner[item.key] = item.path
-    for value in plan.values:
+    for value in values:
         entries[value.key] = BytesStorageMetadata()
         file, offset, length = where[(value.key, -1)]
         storage[MetadataIndex(value.key)] = _StorageInfo(file, offset, length)

@@ -1,0 +1,179 @@
+"""Megatron-Core's parallel layout of a GPT checkpoint: which rank holds which box (pure).
+
+A Megatron-Core ``torch_dist`` checkpoint stores each ShardedTensor key as one global tensor,
+written box by box by the ranks that held it. These are Megatron-Core 0.16's rules, decided by
+the key's module and parameter names (the last two components):
+
+* **tensor parallel** (TP, degree ``T``): column-parallel weights split dim 0 (``linear_qkv``,
+  ``linear_fc1``, the vocabulary of ``word_embeddings`` and ``output_layer``), row-parallel
+  ones dim 1 (``linear_proj``, ``linear_fc2``); a column-parallel layer's bias splits with its
+  output, a row-parallel layer's bias is whole; norms, routers and anything not listed are whole
+  on every TP rank. A SwiGLU ``linear_fc1`` (gate rows, then up rows) splits each half on its
+  own, so TP rank ``r`` holds its slice of the gate and its slice of the up projection.
+  Megatron splits evenly: a split dim not divisible by ``T`` cannot be built at that ``T``;
+* **pipeline parallel** (PP, ``P`` stages): layer ``l`` of ``L`` is on stage
+  ``l // (L / P)``; the embedding is on the first stage, the final norm and the output layer
+  on the last;
+* **expert parallel** (EP, ``E`` ranks): global expert ``x`` of ``X`` is on EP rank
+  ``x // (X / E)``; an expert's own tensor parallelism is the dense one (Megatron's default
+  ``expert_tensor_parallel_size``);
+* **ranks**: ``rank = tp + T * (dp + D * pp)`` (Megatron's default order, TP fastest) with
+  ``D = E`` data-parallel ranks, the fewest an EP of ``E`` allows (EP ranks are data-parallel
+  ranks of the dense part); the EP rank of data-parallel rank ``dp`` is ``dp``. Of the ranks
+  holding a box, the one with data-parallel rank 0 (an expert's: its EP rank) writes it, as
+  Megatron's main replica does.
+
+Standard library only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ucformat.errors import UnsupportedExportError
+
+__all__ = [
+    "COLUMN_PARALLEL",
+    "ROW_PARALLEL",
+    "Box",
+    "MegatronGrid",
+    "expert_rank",
+    "layer_stage",
+    "split_dim",
+    "tp_boxes",
+]
+
+#: Modules whose weight (and bias) is split on dim 0 across TP ranks.
+COLUMN_PARALLEL = frozenset({"linear_qkv", "linear_fc1", "word_embeddings", "output_layer"})
+#: Modules whose weight is split on dim 1 (their bias is whole).
+ROW_PARALLEL = frozenset({"linear_proj", "linear_fc2"})
+#: Non-layer modules kept on the last pipeline stage (the rest: the first).
+LAST_STAGE = ("decoder.final_layernorm.", "final_layernorm.", "output_layer.")
+
+
+@dataclass(frozen=True)
+class Box:
+    """The part ``offsets``/``sizes`` of a parameter that TP rank ``tp_rank`` holds."""
+
+    tp_rank: int
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class MegatronGrid:
+    """A Megatron job's parallel degrees: ``tp`` x ``pp`` x ``ep``."""
+
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+
+    def __post_init__(self) -> None:
+        for flag, value in (("--tp", self.tp), ("--pp", self.pp), ("--ep", self.ep)):
+            if value < 1:
+                raise UnsupportedExportError(f"{flag} must be at least 1, got {value}.")
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel ranks of the dense part: the fewest that hold ``ep`` EP ranks."""
+        return self.ep
+
+    @property
+    def world_size(self) -> int:
+        """Ranks of the job: ``tp * pp * dp``."""
+        return self.tp * self.pp * self.dp
+
+    def rank(self, tp_rank: int, pp_rank: int, dp_rank: int = 0) -> int:
+        """The global rank (TP fastest, then data parallel, then pipeline)."""
+        return tp_rank + self.tp * (dp_rank + self.dp * pp_rank)
+
+
+def split_dim(key: str) -> int | None:
+    """The dim ``key``'s tensor is split on across TP ranks, or None (whole on every rank)."""
+    parts = key.split(".")
+    if len(parts) < 2:
+        return None
+    module, leaf = parts[-2], parts[-1]
+    if module in COLUMN_PARALLEL and leaf in ("weight", "bias"):
+        return 0
+    if module in ROW_PARALLEL and leaf == "weight":
+        return 1
+    return None
+
+
+def tp_boxes(
+    name: str,
+    shape: tuple[int, ...],
+    dim: int | None,
+    tp: int,
+    halves: tuple[int, ...] = (),
+) -> list[Box]:
+    """The box each TP rank holds of a parameter of ``shape`` split on ``dim``.
+
+    ``halves``: the row counts of the parts of a fused dim 0 that Megatron splits one by one
+    (SwiGLU ``linear_fc1``: gate, up); a rank then holds one box per part. A whole parameter
+    (``dim`` None) is one box of TP rank 0.
+
+    Raises:
+        UnsupportedExportError: the split dim (or a part) is not divisible by ``tp``.
+    """
+    full = tuple(0 for _ in shape)
+    if dim is None or tp == 1:
+        return [Box(0, full, shape)]
+    if dim >= len(shape):
+        raise UnsupportedExportError(
+            f"'{name}' has shape {list(shape)}; Megatron splits it on dim {dim} across TP ranks."
+        )
+    parts = halves if dim == 0 and halves else (shape[dim],)
+    if sum(parts) != shape[dim]:
+        raise UnsupportedExportError(
+            f"'{name}': parts of {list(parts)} rows do not add up to dim 0 of {list(shape)}."
+        )
+    for part in parts:
+        if part % tp:
+            raise UnsupportedExportError(
+                f"'{name}': dim {dim} ({'part of ' if len(parts) > 1 else ''}{part}) is not "
+                f"divisible by --tp {tp}; Megatron-Core splits it evenly across TP ranks."
+            )
+    boxes = []
+    for rank in range(tp):
+        start = 0
+        for part in parts:
+            width = part // tp
+            offsets = tuple(start + rank * width if d == dim else 0 for d in range(len(shape)))
+            sizes = tuple(width if d == dim else shape[d] for d in range(len(shape)))
+            boxes.append(Box(rank, offsets, sizes))
+            start += part
+    return boxes
+
+
+def layer_stage(layer: int | None, key: str, num_layers: int, pp: int) -> int:
+    """The pipeline stage holding ``key`` (of transformer layer ``layer``, or a non-layer key).
+
+    Raises:
+        UnsupportedExportError: ``num_layers`` is not divisible by ``pp``.
+    """
+    if pp == 1:
+        return 0
+    if num_layers % pp:
+        raise UnsupportedExportError(
+            f"{num_layers} layers do not split evenly into --pp {pp} stages; choose a --pp that "
+            "divides the layer count (uneven first/last stages are not written)."
+        )
+    if layer is None:
+        return pp - 1 if key.startswith(LAST_STAGE) else 0
+    return layer // (num_layers // pp)
+
+
+def expert_rank(expert: int, num_experts: int, ep: int) -> int:
+    """The EP rank holding global expert ``expert`` of ``num_experts``.
+
+    Raises:
+        UnsupportedExportError: ``num_experts`` is not divisible by ``ep``.
+    """
+    if num_experts % ep:
+        raise UnsupportedExportError(
+            f"{num_experts} experts do not split evenly into --ep {ep} ranks; choose an --ep "
+            "that divides the expert count."
+        )
+    return expert // (num_experts // ep)
