@@ -372,6 +372,14 @@ def megatron_command(
         ),
     ] = None,
     dtype: Dtype = None,
+    first_stage_layers: Annotated[
+        int | None,
+        typer.Option(help="Layers of the first pipeline stage (uneven stages).", min=0),
+    ] = None,
+    last_stage_layers: Annotated[
+        int | None,
+        typer.Option(help="Layers of the last pipeline stage (uneven stages).", min=0),
+    ] = None,
     overwrite: Overwrite = False,
     dry_run: DryRun = False,
     quiet: Quiet = False,
@@ -390,6 +398,8 @@ def megatron_command(
             ep=ep,
             distributed_optimizer=distributed_optimizer,
             dtype=dtype,
+            first_stage_layers=first_stage_layers,
+            last_stage_layers=last_stage_layers,
             overwrite=overwrite,
             dry_run=dry_run,
             hooks=hooks,

@@ -75,7 +75,14 @@ from ucformat.format.models import CheckpointManifest
 from ucformat.format.pyvalue import decode
 from ucformat.format.spec import FP32_STATE
 from ucformat.format.summary import format_bytes
-from ucformat.layout.megatron import MegatronGrid, expert_rank, layer_stage, split_dim, tp_boxes
+from ucformat.layout.megatron import (
+    MegatronGrid,
+    expert_rank,
+    layer_stage,
+    split_dim,
+    stage_layers,
+    tp_boxes,
+)
 from ucformat.read.checkpoint import UniversalCheckpoint
 from ucformat.store.keys import StoreLike
 
@@ -98,8 +105,7 @@ _EXTRA_STATE_MODULES = frozenset({"linear_qkv", "linear_proj", "linear_fc1", "li
 #: Megatron-LM arguments of the saving job's layout, replaced or dropped for the target.
 _LAYOUT_ARGS = (
     "virtual_pipeline_model_parallel_size", "num_layers_per_virtual_pipeline_stage",
-    "num_virtual_stages_per_pipeline_rank", "decoder_first_pipeline_num_layers",
-    "decoder_last_pipeline_num_layers", "pipeline_model_parallel_layout",
+    "num_virtual_stages_per_pipeline_rank", "pipeline_model_parallel_layout",
 )  # fmt: skip
 #: Client-state keys rebuilt for the target (or tied to the saving job's layout).
 _REBUILT = frozenset(
@@ -164,13 +170,13 @@ class MegatronPlan:
 
 
 def _source_distributed(manifest: CheckpointManifest) -> bool:
-    wrapper = manifest.source.optimizer_wrapper or ""
-    if "Distributed" in wrapper:
-        return True
-    if wrapper:
-        return False
+    """Whether the source trained with Megatron's distributed optimizer."""
     layout = manifest.megatron
-    return layout is not None and layout.optimizer_sharding is not None
+    if layout is not None and layout.optimizers:
+        return "DistributedOptimizer" in layout.optimizers
+    if layout is not None and layout.optimizer_sharding is not None:
+        return True
+    return "Distributed" in (manifest.source.optimizer_wrapper or "")
 
 
 def _state_keys(manifest: CheckpointManifest, distributed: bool) -> list[str]:
@@ -191,21 +197,22 @@ def _tensor_items(
     manifest: CheckpointManifest,
     keys: MegatronKeys,
     grid: MegatronGrid,
+    stages: list[int],
     dtype: str,
     optimizer_states: list[tuple[str, str]],
 ) -> list[DcpTensorItem]:
     """Every tensor key: the model's, then each optimizer state's (``(prefix, store state)``)."""
     layout = manifest.megatron
     assert layout is not None
-    num_layers = layout.num_layers or 0
     pieces: dict[str, list[tuple[int, tuple[int, ...], tuple[int, ...], str, tuple[int, ...]]]]
     pieces = {}
+    experts = [e.expert for e in keys.entries.values() if e.expert is not None]
+    num_experts = layout.num_experts or (max(experts) + 1 if experts else 0)
     for name, entry in keys.entries.items():
-        axes = keys.axes[entry.key]
-        layered = entry.key.startswith("decoder.") and len(entry.index) >= 1
-        layer = entry.index[0] if layered else None
-        stage = layer_stage(layer, entry.key, axes[0] if layered else num_layers, grid.pp)
-        dp_rank = expert_rank(entry.index[1], axes[1], grid.ep) if len(entry.index) > 1 else 0
+        stage = layer_stage(entry.layer, entry.key, stages)
+        dp_rank = 0
+        if entry.expert is not None:
+            dp_rank = expert_rank(entry.expert, num_experts, grid.ep)
         fused = layout.params[name].fused
         halves = tuple(fused.sizes) if fused and fused.kind == "gate_up" and fused.sizes else ()
         for box in tp_boxes(name, entry.shape, split_dim(entry.key), grid.tp, halves):
@@ -285,6 +292,8 @@ def plan_megatron(
     ep: int = 1,
     distributed_optimizer: bool | None = None,
     dtype: str | None = None,
+    first_stage_layers: int | None = None,
+    last_stage_layers: int | None = None,
 ) -> MegatronPlan:
     """Plan a Megatron export from the manifest alone (see the module docstring).
 
@@ -300,7 +309,7 @@ def plan_megatron(
     target_dtype = dtype or manifest.source.train_dtype or "float32"
     if target_dtype not in ("float32", *_SIXTEEN_BIT):
         raise UnsupportedExportError(f"dtype {target_dtype!r}; expected fp32, bf16 or fp16.")
-    has_experts = any(len(axes) > 1 for axes in keys.axes.values())
+    has_experts = any(e.expert is not None for e in keys.entries.values())
     if ep > 1 and not has_experts:
         raise UnsupportedExportError(f"--ep {ep}: the store has no experts; leave --ep at 1.")
     optimizer_states: list[tuple[str, str]] = []
@@ -327,14 +336,24 @@ def plan_megatron(
             "the store holds no optimizer state: the model only is written (args.no_save_optim)"
             + (f"; {why}" if why else "")
         )
-    tensors = _tensor_items(manifest, keys, grid, target_dtype, optimizer_states)
     args = _stored_args(manifest)
+    own_stages = args.get("pipeline_model_parallel_size") == pp  # the source's stages
+    if first_stage_layers is None and last_stage_layers is None and own_stages:
+        first_stage_layers = args.get("decoder_first_pipeline_num_layers")
+        last_stage_layers = args.get("decoder_last_pipeline_num_layers")
+    layers = [e.layer for e in keys.entries.values() if e.layer is not None]
+    assert manifest.megatron is not None
+    num_layers = manifest.megatron.num_layers or (max(layers) + 1 if layers else 0)
+    stages = stage_layers(num_layers, pp, first_stage_layers, last_stage_layers)
+    tensors = _tensor_items(manifest, keys, grid, stages, target_dtype, optimizer_states)
     if not args:
         notes.append("the store holds no Megatron-LM args: common.pt's args name the layout only")
     for name in _LAYOUT_ARGS:
         args.pop(name, None)
     args.update(
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+        decoder_first_pipeline_num_layers=first_stage_layers,
+        decoder_last_pipeline_num_layers=last_stage_layers,
         expert_model_parallel_size=ep, expert_tensor_parallel_size=tp,
         data_parallel_size=grid.dp, world_size=grid.world_size,
         use_distributed_optimizer=distributed, dist_ckpt_optim_fully_reshardable=distributed,
@@ -442,6 +461,8 @@ def export_megatron(
     ep: int = 1,
     distributed_optimizer: bool | None = None,
     dtype: str | torch.dtype | None = None,
+    first_stage_layers: int | None = None,
+    last_stage_layers: int | None = None,
     overwrite: bool = False,
     dry_run: bool = False,
     hooks: ExportHooks | None = None,
@@ -462,6 +483,10 @@ def export_megatron(
         distributed_optimizer: write the distributed optimizer's ``fully_reshardable`` form
             (True) or a non-distributed optimizer's (False); default: the source's.
         dtype: the weights' dtype (default: the source's training dtype).
+        first_stage_layers: layers of the first pipeline stage when it differs from the others
+            (Megatron-LM's ``--decoder-first-pipeline-num-layers``; default: the source's when
+            ``pp`` is the source's, else none).
+        last_stage_layers: the same for the last stage.
         overwrite: replace this iteration's folder (and, in a folder that is not a Megatron-LM
             checkpoint folder, write anyway; other files are kept).
         dry_run: plan only; write nothing.
@@ -485,6 +510,8 @@ def export_megatron(
         ep=ep,
         distributed_optimizer=distributed_optimizer,
         dtype=parse_dtype(dtype),
+        first_stage_layers=first_stage_layers,
+        last_stage_layers=last_stage_layers,
     )
     if is_url(out):
         return export_to_url(

@@ -24,10 +24,12 @@ Used by both ways back into Megatron, the ``export megatron`` files and the live
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from typing import Any
 
 from ucformat.errors import UnsupportedExportError
+from ucformat.format.megatron import EXPERT_AXIS, LAYER_AXIS, MegatronParam
 from ucformat.format.models import CheckpointManifest
 from ucformat.format.pyvalue import decode
 from ucformat.format.spec import FP32_STATE, STEP_STATE
@@ -53,18 +55,23 @@ OPTIMIZER_STATE_PREFIX = "optimizer.state."
 MASTER_STATES = frozenset({"param", "fp32_param"})
 #: The param-group keys Megatron matches a checkpoint's groups to a job's by.
 GROUP_KEYS = ("wd_mult", "lr_mult", "is_expert_parallel", "is_decoupled_lr")
+#: A key of one layer (no layer axis): ``decoder.layers.<L>.<rest>``.
+_PER_LAYER = re.compile(r"^decoder\.layers\.\d+\.")
 #: The distributed optimizer's checkpoint format that holds its state in model space.
 FULLY_RESHARDABLE = "fully_reshardable"
 
 
 @dataclass(frozen=True)
 class MegatronEntry:
-    """One stored parameter as Megatron sees it: ``key`` at ``index`` on the prepended axes."""
+    """One stored parameter as Megatron sees it: ``key`` at ``index`` on the prepended axes;
+    its global ``layer`` and ``expert`` (on an axis or spelled out in the key), if any."""
 
     name: str
     key: str
     index: tuple[int, ...]
     shape: tuple[int, ...]
+    layer: int | None = None
+    expert: int | None = None
 
 
 @dataclass(frozen=True)
@@ -88,10 +95,18 @@ class MegatronKeys:
         return (*self.axes[key], *self.entries[first].shape)
 
 
-def _index(meta: Any) -> tuple[int, ...]:
-    layer = getattr(meta, "layer", None)
-    expert = getattr(meta, "expert", None)
-    return tuple(i for i in (layer, expert) if i is not None)
+def _index(meta: MegatronParam) -> tuple[int, ...]:
+    """The parameter's index on its key's prepended axes (format 3.0: the layer axis if any)."""
+    axes: list[str] = list(meta.axes)
+    if not axes and meta.layer is not None and not _PER_LAYER.match(meta.key):
+        axes = [LAYER_AXIS]
+    values: dict[str, int | None] = {LAYER_AXIS: meta.layer, EXPERT_AXIS: meta.expert}
+    index = tuple(values[axis] for axis in axes)
+    if any(i is None for i in index):
+        raise UnsupportedExportError(
+            f"Megatron key {meta.key}: axes {axes} but layer {meta.layer}, expert {meta.expert}."
+        )
+    return tuple(int(i) for i in index if i is not None)
 
 
 def megatron_keys(manifest: CheckpointManifest) -> MegatronKeys:
@@ -119,7 +134,9 @@ def megatron_keys(manifest: CheckpointManifest) -> MegatronKeys:
                 f"'{name}': manifest.megatron records no Megatron key for it; the store's "
                 "parameters do not all come from the Megatron-Core checkpoint."
             )
-        entry = MegatronEntry(name, meta.key, _index(meta), tuple(param.shape))
+        entry = MegatronEntry(
+            name, meta.key, _index(meta), tuple(param.shape), meta.layer, meta.expert
+        )
         other = by_index.get((entry.key, entry.index))
         if other is not None:
             raise UnsupportedExportError(

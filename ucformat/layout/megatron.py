@@ -11,8 +11,9 @@ the key's module and parameter names (the last two components):
   on every TP rank. A SwiGLU ``linear_fc1`` (gate rows, then up rows) splits each half on its
   own, so TP rank ``r`` holds its slice of the gate and its slice of the up projection.
   Megatron splits evenly: a split dim not divisible by ``T`` cannot be built at that ``T``;
-* **pipeline parallel** (PP, ``P`` stages): layer ``l`` of ``L`` is on stage
-  ``l // (L / P)``; the embedding is on the first stage, the final norm and the output layer
+* **pipeline parallel** (PP, ``P`` stages): consecutive layers per stage, ``L / P`` each, or
+  Megatron's uneven stages (a given count on the first and/or the last stage, the rest evenly
+  over the others); the embedding is on the first stage, the final norm and the output layer
   on the last;
 * **expert parallel** (EP, ``E`` ranks): global expert ``x`` of ``X`` is on EP rank
   ``x // (X / E)``; an expert's own tensor parallelism is the dense one (Megatron's default
@@ -40,6 +41,7 @@ __all__ = [
     "expert_rank",
     "layer_stage",
     "split_dim",
+    "stage_layers",
     "tp_boxes",
 ]
 
@@ -147,22 +149,46 @@ def tp_boxes(
     return boxes
 
 
-def layer_stage(layer: int | None, key: str, num_layers: int, pp: int) -> int:
-    """The pipeline stage holding ``key`` (of transformer layer ``layer``, or a non-layer key).
+def stage_layers(
+    num_layers: int, pp: int, first: int | None = None, last: int | None = None
+) -> list[int]:
+    """Layers per pipeline stage: ``first`` on the first stage and ``last`` on the last when
+    given (Megatron's uneven stages), the rest split evenly over the other stages.
 
     Raises:
-        UnsupportedExportError: ``num_layers`` is not divisible by ``pp``.
+        UnsupportedExportError: the layers do not split so.
     """
     if pp == 1:
-        return 0
-    if num_layers % pp:
+        return [num_layers]
+    ends = (first is not None) + (last is not None)
+    rest = num_layers - (first or 0) - (last or 0)
+    middle = pp - ends
+    if rest < 0 or (middle == 0 and rest) or (middle and rest % middle):
+        given = f" with {first} on the first and {last} on the last stage" if ends else ""
         raise UnsupportedExportError(
-            f"{num_layers} layers do not split evenly into --pp {pp} stages; choose a --pp that "
-            "divides the layer count (uneven first/last stages are not written)."
+            f"{num_layers} layers do not split evenly into --pp {pp} stages{given}; choose a "
+            "--pp that divides them, or give the first/last stage's layer counts."
         )
+    even = rest // middle if middle else 0
+    sizes = [even] * pp
+    if first is not None:
+        sizes[0] = first
+    if last is not None:
+        sizes[-1] = last
+    return sizes
+
+
+def layer_stage(layer: int | None, key: str, sizes: list[int]) -> int:
+    """The pipeline stage holding ``key`` (of transformer layer ``layer``, or a non-layer key),
+    the stages holding ``sizes`` layers each."""
     if layer is None:
-        return pp - 1 if key.startswith(LAST_STAGE) else 0
-    return layer // (num_layers // pp)
+        return len(sizes) - 1 if key.startswith(LAST_STAGE) else 0
+    start = 0
+    for stage, count in enumerate(sizes):
+        if layer < start + count:
+            return stage
+        start += count
+    raise UnsupportedExportError(f"{key}: layer {layer} is past the {start} layers of the stages.")
 
 
 def expert_rank(expert: int, num_experts: int, ep: int) -> int:
