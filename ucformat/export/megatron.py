@@ -67,8 +67,8 @@ from ucformat.format.megatron_state import (
     MegatronKeys,
     common_step,
     content_metadata,
+    job_param_groups,
     megatron_keys,
-    megatron_param_groups,
     optimizer_common,
 )
 from ucformat.format.models import CheckpointManifest
@@ -272,7 +272,8 @@ def _indices(axes: tuple[int, ...]) -> list[tuple[int, ...]]:
 
 
 def _chained_groups(groups: list[dict[str, Any]]) -> tuple[tuple[dict[str, Any], ...], ...]:
-    """Megatron's chain: the dense groups' optimizer, then the expert-parallel groups' one."""
+    """Megatron's chain: the dense groups' optimizer, then the expert-parallel groups' one
+    (expert-parallel groups exist only with EP > 1: ``job_param_groups``)."""
     dense = tuple(g for g in groups if not g.get("is_expert_parallel"))
     expert = tuple(g for g in groups if g.get("is_expert_parallel"))
     return tuple(part for part in (dense, expert) if part)
@@ -322,7 +323,10 @@ def plan_megatron(
         )
         optimizer_states = [(f"optimizer.state.{m}.", FP32_STATE) for m in masters]
         optimizer_states += [(f"optimizer.state.{s}.", s) for s in state_keys]
-        groups = _chained_groups(megatron_param_groups(manifest, distributed=distributed))
+        job_groups = job_param_groups(
+            manifest, distributed=distributed, expert_parallel=ep > 1 and has_experts
+        )
+        groups = _chained_groups(job_groups)
         step = common_step(manifest)
         if distributed != source_distributed:
             kinds = ("non-distributed", "distributed")

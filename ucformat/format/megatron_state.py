@@ -44,6 +44,7 @@ __all__ = [
     "common_step",
     "content_metadata",
     "group_identity",
+    "job_param_groups",
     "megatron_keys",
     "megatron_param_groups",
     "optimizer_common",
@@ -219,6 +220,45 @@ def megatron_param_groups(
             hyper[STEP_STATE] = step
         groups.append(hyper)
     return groups
+
+
+def job_param_groups(
+    manifest: CheckpointManifest, *, distributed: bool, expert_parallel: bool
+) -> list[dict[str, Any]]:
+    """The param groups a job at another layout has, from the store's.
+
+    Megatron puts expert parameters in groups of their own (``is_expert_parallel``) only with
+    expert parallelism (EP > 1); at EP = 1 they join the dense groups. So for a job without it
+    every group loses the flag and groups that become the same are one; for a job with it, a
+    store saved at EP = 1 gets a copy of each group that holds experts, flagged.
+
+    Raises:
+        UnsupportedExportError: groups that become one differ in another hyper-parameter.
+    """
+    groups = megatron_param_groups(manifest, distributed=distributed)
+    if expert_parallel:
+        assert manifest.optimizer is not None
+        if any(g.get("is_expert_parallel") for g in groups):
+            return groups
+        expert_groups: set[int] = set()
+        for name, meta in (manifest.megatron.params if manifest.megatron else {}).items():
+            index = manifest.params[name].group if name in manifest.params else None
+            if meta.expert is not None and index is not None:
+                expert_groups.add(index)
+        copies = [{**groups[i], "is_expert_parallel": True} for i in sorted(expert_groups)]
+        return [*groups, *copies]
+    merged: dict[tuple[Any, ...], dict[str, Any]] = {}
+    for hyper in groups:
+        flat = {**hyper, "is_expert_parallel": False}
+        identity = group_identity(flat)
+        first = merged.setdefault(identity, flat)
+        if first != flat:
+            raise UnsupportedExportError(
+                f"the expert and dense param groups {identity} differ "
+                f"({sorted(k for k in flat if first.get(k) != flat.get(k))}); without expert "
+                "parallelism Megatron keeps them as one group. Export with --ep > 1."
+            )
+    return list(merged.values())
 
 
 def group_identity(group: dict[str, Any]) -> tuple[Any, ...]:

@@ -38,8 +38,8 @@ from ucformat.format.dtypes import itemsize
 from ucformat.format.megatron_state import (
     common_step,
     group_identity,
+    job_param_groups,
     megatron_keys,
-    megatron_param_groups,
     optimizer_common,
     store_state,
 )
@@ -241,11 +241,17 @@ def _optimizer_state(ckpt: UniversalCheckpoint, job: MegatronJob) -> Any:
     group the store's group of the same Megatron identity as the live one, in the live order."""
     manifest = ckpt.manifest
     step = common_step(manifest)
+    expert_parallel = any(
+        group.get("is_expert_parallel") for inner in job.inners for group in inner.param_groups
+    )
     entries = []
     for index, inner in enumerate(job.inners):
         distributed = is_distributed(inner)
         stored = {
-            group_identity(g): g for g in megatron_param_groups(manifest, distributed=distributed)
+            group_identity(g): g
+            for g in job_param_groups(
+                manifest, distributed=distributed, expert_parallel=expert_parallel
+            )
         }
         groups = []
         for number, live in enumerate(inner.param_groups):
