@@ -24,6 +24,7 @@ Megatron-LM makes before its ``load_checkpoint``). Per rank:
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from dataclasses import dataclass, field
@@ -44,7 +45,7 @@ from ucformat.format.megatron_state import (
     store_state,
 )
 from ucformat.format.pyvalue import decode
-from ucformat.format.spec import FP32_STATE
+from ucformat.format.spec import FP32_STATE, VALUE_STATE
 from ucformat.layout.boxes import Run, chunk_runs
 from ucformat.megatron.job import (
     MegatronJob,
@@ -91,14 +92,24 @@ class MegatronLoadReport:
 
 
 @dataclass
-class _Target:
-    """One ShardedTensor to fill: from array ``state`` of ``name``, the flat ``runs``."""
+class _Part:
+    """Of one ShardedTensor, what stored parameter ``name`` gives: the flat ``runs`` of its
+    array ``state`` (compact: ``chunk_start`` is the position among the part's values) and
+    where each goes in the ShardedTensor's local values (``positions``: start, length)."""
 
-    sharded: Any
     name: str
     state: str
     runs: list[Run]
-    positions: list[tuple[int, int]]  # (local flat start, length) of each run, in order
+    positions: list[tuple[int, int]]
+
+
+@dataclass
+class _Target:
+    """One ShardedTensor to fill from its parts' parameters (one, or several where its box spans
+    a prepended axis: GroupedMLP's experts)."""
+
+    sharded: Any
+    parts: list[_Part]
     whole: bool
     value: torch.Tensor | None = None
 
@@ -107,40 +118,45 @@ def _open(store: StoreLike | UniversalCheckpoint) -> UniversalCheckpoint:
     return store if isinstance(store, UniversalCheckpoint) else open_checkpoint(store)
 
 
-def _clip(runs: list[Run], spans: list[tuple[int, int]]) -> tuple[list[Run], list[tuple[int, int]]]:
-    """The parts of ``runs`` (local positions ``chunk_start``) inside ``spans``, compacted."""
+def _clip(
+    runs: list[Run], base: int, spans: list[tuple[int, int]] | None
+) -> tuple[list[Run], list[tuple[int, int]]]:
+    """``runs`` (local positions ``base + chunk_start``) inside ``spans`` (all, if None),
+    compacted, with their local positions."""
     compact: list[Run] = []
     positions: list[tuple[int, int]] = []
     at = 0
     for run in runs:
-        for low, high in spans:
-            a, b = max(low, run.chunk_start), min(high, run.chunk_start + run.length)
+        low_run = base + run.chunk_start
+        for low, high in spans if spans is not None else [(low_run, low_run + run.length)]:
+            a, b = max(low, low_run), min(high, low_run + run.length)
             if a < b:
-                compact.append(Run(run.start + a - run.chunk_start, at, b - a))
+                compact.append(Run(run.start + a - low_run, at, b - a))
                 positions.append((a, b - a))
                 at += b - a
     return compact, positions
 
 
 class _Resolver:
-    """Which stored parameter a ShardedTensor's (key, index) is."""
+    """Which stored parameter a ShardedTensor's (key, index) is, and how many of the key's
+    leading dims are axes of parameters (Megatron's layer and expert axes)."""
 
     def __init__(self, ckpt: UniversalCheckpoint, job: MegatronJob) -> None:
         manifest = ckpt.manifest
         self.manifest = manifest
         self.by_index: dict[tuple[str, tuple[int, ...]], str] = {}
-        self.shapes: dict[str, tuple[int, ...]] = {}
+        self.axes: dict[str, int] = {}
         if manifest.megatron is not None:
             keys = megatron_keys(manifest)
             self.by_index = dict(keys.by_index)
-            self.shapes = {n: e.shape for n, e in keys.entries.items()}
-            self.labels = {k: f"{k[0]}{list(k[1]) if k[1] else ''}" for k in self.by_index}
+            self.axes = {key: len(axes) for key, axes in keys.axes.items()}
         else:
-            names = global_names(job)
-            self.by_index = {k: v[0] for k, v in names.items()}
-            self.shapes = {v[0]: v[1] for v in names.values()}
-            self.labels = {k: v[0] for k, v in names.items()}
+            self.by_index = {k: v[0] for k, v in global_names(job).items()}
         self.wanted: dict[str, tuple[int, ...]] = {}
+
+    def axes_of(self, key: str, prepended: int) -> int:
+        """Leading dims of ``key`` that index parameters (the prepended ones at least)."""
+        return max(self.axes.get(key, 0), prepended)
 
     def resolve(self, key: str, index: tuple[int, ...], shape: tuple[int, ...]) -> str | None:
         name = self.by_index.get((key, index))
@@ -164,6 +180,35 @@ class _Resolver:
         refuse_mismatch(match, strict=True, also=also)
 
 
+def _target(
+    resolver: _Resolver, value: Any, spans: list[tuple[int, int]] | None, missing: set[str]
+) -> _Target | None:
+    """What to read for ShardedTensor ``value`` (None: the store cannot give it; recorded)."""
+    key, state = model_key(value.key)
+    stored = FP32_STATE if state is None else store_state(state)
+    count = resolver.axes_of(key, value.prepend_axis_num)
+    sizes = (*(1 for _ in range(value.prepend_axis_num)), *value.local_shape)
+    offsets, shape = tuple(value.global_offset), tuple(value.global_shape)
+    inner = math.prod(sizes[count:])
+    parts = []
+    for rank_index, at in enumerate(itertools.product(*(range(n) for n in sizes[:count]))):
+        index = tuple(o + i for o, i in zip(offsets[:count], at, strict=True))
+        name = resolver.resolve(key, index, shape[count:])
+        if name is None or tuple(resolver.manifest.params[name].shape) != shape[count:]:
+            return None
+        states = resolver.manifest.params[name].states
+        array = stored if stored in states else None
+        if array is None and stored == FP32_STATE and VALUE_STATE in states:
+            array = VALUE_STATE  # a parameter stored without optimizer state: its value
+        if array is None:
+            missing.add(f"{state or 'the weight'} of {name}")
+            return None
+        runs = chunk_runs(shape[count:], offsets[count:], sizes[count:])
+        compact, positions = _clip(runs, rank_index * inner, spans)
+        parts.append(_Part(name, array, compact, positions))
+    return _Target(value, parts, whole=spans is None)
+
+
 def _targets(ckpt: UniversalCheckpoint, job: MegatronJob, sharded: Any) -> list[_Target]:
     """Every ShardedTensor of the preprocessed request with what to read for it."""
     from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
@@ -182,29 +227,14 @@ def _targets(ckpt: UniversalCheckpoint, job: MegatronJob, sharded: Any) -> list[
             continue
         if not isinstance(value, ShardedTensor):
             continue
-        key, state = model_key(value.key)
-        prepend = value.prepend_axis_num
-        index = tuple(value.global_offset[:prepend])
-        shape = tuple(value.global_shape[prepend:])
-        name = resolver.resolve(key, index, shape)
-        if name is None or tuple(ckpt.manifest.params[name].shape) != shape:
-            continue
-        stored = FP32_STATE if state is None else store_state(state)
-        if stored not in ckpt.manifest.params[name].states:
-            missing_states.add(f"{state} of {name}")
-            continue
-        offsets = tuple(value.global_offset[prepend:])
-        runs = chunk_runs(shape, offsets, tuple(value.local_shape))
         data = value.data
-        spans = needed.get(data.untyped_storage().data_ptr())
-        whole = spans is None
-        if spans is not None:
+        spans = needed.get(data.untyped_storage().data_ptr()) if data.is_contiguous() else None
+        if spans is not None:  # the distributed optimizer keeps only these of this rank's
             start = data.storage_offset()
-            local = [(a - start, b - start) for a, b in spans]
-            runs, positions = _clip(runs, local)
-        else:
-            positions = [(r.chunk_start, r.length) for r in runs]
-        targets.append(_Target(value, name, stored, runs, positions, whole))
+            spans = [(a - start, b - start) for a, b in spans]
+        target = _target(resolver, value, spans, missing_states)
+        if target is not None:
+            targets.append(target)
     resolver.check()
     if missing_states:
         shown = sorted(missing_states)
@@ -217,23 +247,29 @@ def _targets(ckpt: UniversalCheckpoint, job: MegatronJob, sharded: Any) -> list[
 
 
 def _read(ckpt: UniversalCheckpoint, target: _Target) -> int:
-    """Read ``target``'s runs into a new tensor; return the bytes it needed."""
+    """Read ``target``'s parts into a new tensor; return the bytes it needed."""
     like = target.sharded.data
-    out = torch.empty_like(like) if target.whole else torch.full_like(like, math.nan)
-    total = sum(run.length for run in target.runs)
-    if total:
-        values = ckpt.read_runs(target.name, target.state, target.runs).to(out.dtype)
-        flat = out.view(-1)
-        if target.whole and total == flat.numel():
-            flat.copy_(values)
+    out = torch.empty(like.shape, dtype=like.dtype)  # row-major, whatever the view's strides
+    if not target.whole:
+        out.fill_(math.nan)
+    flat = out.view(-1)
+    needed = 0
+    for part in target.parts:
+        total = sum(run.length for run in part.runs)
+        if not total:
+            continue
+        values = ckpt.read_runs(part.name, part.state, part.runs).to(out.dtype)
+        first = part.positions[0][0]
+        if all(a + n == b for (a, n), (b, _) in itertools.pairwise(part.positions)):
+            flat[first : first + total] = values  # its local positions follow each other
         else:
-            for (position, length), run in zip(target.positions, target.runs, strict=True):
+            for (position, length), run in zip(part.positions, part.runs, strict=True):
                 flat[position : position + length] = values[
                     run.chunk_start : run.chunk_start + length
                 ]
+        needed += total * itemsize(ckpt.array_ref(part.name, part.state).dtype)
     target.value = out
-    ref = ckpt.array_ref(target.name, target.state)
-    return total * itemsize(ref.dtype)
+    return needed
 
 
 def _optimizer_state(ckpt: UniversalCheckpoint, job: MegatronJob) -> Any:
