@@ -380,6 +380,10 @@ def megatron_command(
         int | None,
         typer.Option(help="Layers of the last pipeline stage (uneven stages).", min=0),
     ] = None,
+    vpp: Annotated[
+        int | None,
+        typer.Option("--vpp", help="Virtual pipeline stages per pipeline rank.", min=1),
+    ] = None,
     overwrite: Overwrite = False,
     dry_run: DryRun = False,
     quiet: Quiet = False,
@@ -400,6 +404,7 @@ def megatron_command(
             dtype=dtype,
             first_stage_layers=first_stage_layers,
             last_stage_layers=last_stage_layers,
+            vpp=vpp,
             overwrite=overwrite,
             dry_run=dry_run,
             hooks=hooks,

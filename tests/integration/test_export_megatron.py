@@ -12,6 +12,7 @@ No torchrun launch here (the source checkpoints are cached fixtures).
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import re
 from pathlib import Path
 from typing import Any
@@ -56,19 +57,32 @@ def stores(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return out
 
 
+def _axes(key: str) -> int:
+    """Leading dims that index parameters: the layer axis, then the expert axis."""
+    if not key.startswith("decoder.layers.") and ".decoder.layers." not in key:
+        return 0
+    return 2 if "experts.experts." in key else 1
+
+
 def _boxes(folder: Path) -> dict[str, tuple[tuple[int, ...], str, set[tuple[Any, ...]]]]:
-    """Tensor key (``chained_<i>.`` dropped) -> (shape, dtype, {(writer rank, offsets, sizes)})."""
+    """Tensor key (``chained_<i>.`` dropped) -> (shape, dtype, {(writer rank, offsets, sizes)}),
+    each box cut into one per parameter (GroupedMLP writes a rank's experts as one box)."""
     metadata = read_dcp_metadata(folder)
     out = {}
     for key, entry in metadata.entries.items():
         if not isinstance(entry, DcpTensor):
             continue
         boxes = set()
+        count = _axes(key)
         for chunk in entry.chunks:
             item = metadata.items[(key, chunk.offsets)]
             match = _DATA_FILE.match(item.relative_path)
             assert match is not None, item.relative_path
-            boxes.add((int(match.group(1)), chunk.offsets, chunk.sizes))
+            for at in itertools.product(*(range(n) for n in chunk.sizes[:count])):
+                lead = (o + i for o, i in zip(chunk.offsets[:count], at, strict=True))
+                offsets = (*lead, *chunk.offsets[count:])
+                sizes = (*(1 for _ in at), *chunk.sizes[count:])
+                boxes.add((int(match.group(1)), offsets, sizes))
         out[_CHAINED.sub("", key)] = (entry.shape, entry.dtype, boxes)
     return out
 

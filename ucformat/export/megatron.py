@@ -104,8 +104,8 @@ BACKEND = {
 _EXTRA_STATE_MODULES = frozenset({"linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"})
 #: Megatron-LM arguments of the saving job's layout, replaced or dropped for the target.
 _LAYOUT_ARGS = (
-    "virtual_pipeline_model_parallel_size", "num_layers_per_virtual_pipeline_stage",
-    "num_virtual_stages_per_pipeline_rank", "pipeline_model_parallel_layout",
+    "num_layers_per_virtual_pipeline_stage", "num_virtual_stages_per_pipeline_rank",
+    "pipeline_model_parallel_layout",
 )  # fmt: skip
 #: Client-state keys rebuilt for the target (or tied to the saving job's layout).
 _REBUILT = frozenset(
@@ -209,7 +209,7 @@ def _tensor_items(
     experts = [e.expert for e in keys.entries.values() if e.expert is not None]
     num_experts = layout.num_experts or (max(experts) + 1 if experts else 0)
     for name, entry in keys.entries.items():
-        stage = layer_stage(entry.layer, entry.key, stages)
+        stage = layer_stage(entry.layer, entry.key, stages, grid.pp)
         dp_rank = 0
         if entry.expert is not None:
             dp_rank = expert_rank(entry.expert, num_experts, grid.ep)
@@ -295,6 +295,7 @@ def plan_megatron(
     dtype: str | None = None,
     first_stage_layers: int | None = None,
     last_stage_layers: int | None = None,
+    vpp: int | None = None,
 ) -> MegatronPlan:
     """Plan a Megatron export from the manifest alone (see the module docstring).
 
@@ -342,13 +343,15 @@ def plan_megatron(
         )
     args = _stored_args(manifest)
     own_stages = args.get("pipeline_model_parallel_size") == pp  # the source's stages
-    if first_stage_layers is None and last_stage_layers is None and own_stages:
+    if first_stage_layers is None and last_stage_layers is None and vpp is None and own_stages:
         first_stage_layers = args.get("decoder_first_pipeline_num_layers")
         last_stage_layers = args.get("decoder_last_pipeline_num_layers")
+        vpp = args.get("virtual_pipeline_model_parallel_size")
+    vpp = vpp or 1
     layers = [e.layer for e in keys.entries.values() if e.layer is not None]
     assert manifest.megatron is not None
     num_layers = manifest.megatron.num_layers or (max(layers) + 1 if layers else 0)
-    stages = stage_layers(num_layers, pp, first_stage_layers, last_stage_layers)
+    stages = stage_layers(num_layers, pp, first_stage_layers, last_stage_layers, vpp)
     tensors = _tensor_items(manifest, keys, grid, stages, target_dtype, optimizer_states)
     if not args:
         notes.append("the store holds no Megatron-LM args: common.pt's args name the layout only")
@@ -358,6 +361,7 @@ def plan_megatron(
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
         decoder_first_pipeline_num_layers=first_stage_layers,
         decoder_last_pipeline_num_layers=last_stage_layers,
+        virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
         expert_model_parallel_size=ep, expert_tensor_parallel_size=tp,
         data_parallel_size=grid.dp, world_size=grid.world_size,
         use_distributed_optimizer=distributed, dist_ckpt_optim_fully_reshardable=distributed,
@@ -467,6 +471,7 @@ def export_megatron(
     dtype: str | torch.dtype | None = None,
     first_stage_layers: int | None = None,
     last_stage_layers: int | None = None,
+    vpp: int | None = None,
     overwrite: bool = False,
     dry_run: bool = False,
     hooks: ExportHooks | None = None,
@@ -491,6 +496,8 @@ def export_megatron(
             (Megatron-LM's ``--decoder-first-pipeline-num-layers``; default: the source's when
             ``pp`` is the source's, else none).
         last_stage_layers: the same for the last stage.
+        vpp: virtual (interleaved) pipeline stages per pipeline rank (default: the source's when
+            ``pp`` is the source's, else 1).
         overwrite: replace this iteration's folder (and, in a folder that is not a Megatron-LM
             checkpoint folder, write anyway; other files are kept).
         dry_run: plan only; write nothing.
@@ -516,6 +523,7 @@ def export_megatron(
         dtype=parse_dtype(dtype),
         first_stage_layers=first_stage_layers,
         last_stage_layers=last_stage_layers,
+        vpp=vpp,
     )
     if is_url(out):
         return export_to_url(

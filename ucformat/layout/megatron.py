@@ -11,10 +11,11 @@ the key's module and parameter names (the last two components):
   on every TP rank. A SwiGLU ``linear_fc1`` (gate rows, then up rows) splits each half on its
   own, so TP rank ``r`` holds its slice of the gate and its slice of the up projection.
   Megatron splits evenly: a split dim not divisible by ``T`` cannot be built at that ``T``;
-* **pipeline parallel** (PP, ``P`` stages): consecutive layers per stage, ``L / P`` each, or
-  Megatron's uneven stages (a given count on the first and/or the last stage, the rest evenly
-  over the others); the embedding is on the first stage, the final norm and the output layer
-  on the last;
+* **pipeline parallel** (PP, ``P`` stages, ``V`` virtual stages each): the layers in ``P * V``
+  model chunks of consecutive layers, ``L / (P * V)`` each, chunk ``c`` on pipeline rank
+  ``c % P`` (interleaved); or Megatron's uneven stages (a given count on the first and/or the
+  last stage, the rest evenly over the others); the embedding is on the first stage, the final
+  norm and the output layer on the last;
 * **expert parallel** (EP, ``E`` ranks): global expert ``x`` of ``X`` is on EP rank
   ``x // (X / E)``; an expert's own tensor parallelism is the dense one (Megatron's default
   ``expert_tensor_parallel_size``);
@@ -113,14 +114,15 @@ def tp_boxes(
     """The box each TP rank holds of a parameter of ``shape`` split on ``dim``.
 
     ``halves``: the row counts of the parts of a fused dim 0 that Megatron splits one by one
-    (SwiGLU ``linear_fc1``: gate, up); a rank then holds one box per part. A whole parameter
+    (SwiGLU ``linear_fc1``: gate, up); a rank then holds one box per part, at any ``tp``
+    (Megatron's SwiGLU factory writes the halves apart even at TP=1). A whole parameter
     (``dim`` None) is one box of TP rank 0.
 
     Raises:
         UnsupportedExportError: the split dim (or a part) is not divisible by ``tp``.
     """
     full = tuple(0 for _ in shape)
-    if dim is None or tp == 1:
+    if dim is None or (tp == 1 and not halves):
         return [Box(0, full, shape)]
     if dim >= len(shape):
         raise UnsupportedExportError(
@@ -150,27 +152,38 @@ def tp_boxes(
 
 
 def stage_layers(
-    num_layers: int, pp: int, first: int | None = None, last: int | None = None
+    num_layers: int,
+    pp: int,
+    first: int | None = None,
+    last: int | None = None,
+    vpp: int = 1,
 ) -> list[int]:
-    """Layers per pipeline stage: ``first`` on the first stage and ``last`` on the last when
-    given (Megatron's uneven stages), the rest split evenly over the other stages.
+    """Layers per model chunk, in layer order: ``pp * vpp`` chunks, chunk ``c`` on pipeline
+    rank ``c % pp`` (Megatron's interleaved virtual stages); ``first`` layers on the first chunk
+    and ``last`` on the last when given (Megatron's uneven stages, without virtual stages), the
+    rest split evenly over the other chunks.
 
     Raises:
         UnsupportedExportError: the layers do not split so.
     """
-    if pp == 1:
-        return [num_layers]
+    chunks = pp * vpp
     ends = (first is not None) + (last is not None)
+    if ends and vpp > 1:
+        raise UnsupportedExportError(
+            "uneven first/last pipeline stages with virtual stages are not written; give one "
+            "of them."
+        )
     rest = num_layers - (first or 0) - (last or 0)
-    middle = pp - ends
+    middle = chunks - ends
     if rest < 0 or (middle == 0 and rest) or (middle and rest % middle):
         given = f" with {first} on the first and {last} on the last stage" if ends else ""
+        virtual = f" x {vpp} virtual stages" if vpp > 1 else ""
         raise UnsupportedExportError(
-            f"{num_layers} layers do not split evenly into --pp {pp} stages{given}; choose a "
-            "--pp that divides them, or give the first/last stage's layer counts."
+            f"{num_layers} layers do not split evenly into --pp {pp}{virtual} stages{given}; "
+            "choose stages that divide them, or give the first/last stage's layer counts."
         )
     even = rest // middle if middle else 0
-    sizes = [even] * pp
+    sizes = [even] * chunks
     if first is not None:
         sizes[0] = first
     if last is not None:
@@ -178,15 +191,15 @@ def stage_layers(
     return sizes
 
 
-def layer_stage(layer: int | None, key: str, sizes: list[int]) -> int:
-    """The pipeline stage holding ``key`` (of transformer layer ``layer``, or a non-layer key),
-    the stages holding ``sizes`` layers each."""
+def layer_stage(layer: int | None, key: str, sizes: list[int], pp: int) -> int:
+    """The pipeline rank holding ``key`` (of transformer layer ``layer``, or a non-layer key),
+    the model chunks holding ``sizes`` layers each (:func:`stage_layers`)."""
     if layer is None:
-        return len(sizes) - 1 if key.startswith(LAST_STAGE) else 0
+        return pp - 1 if key.startswith(LAST_STAGE) else 0
     start = 0
-    for stage, count in enumerate(sizes):
+    for chunk, count in enumerate(sizes):
         if layer < start + count:
-            return stage
+            return chunk % pp
         start += count
     raise UnsupportedExportError(f"{key}: layer {layer} is past the {start} layers of the stages.")
 
