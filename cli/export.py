@@ -104,8 +104,9 @@ def safetensors_command(
     names: Annotated[
         str,
         typer.Option(
-            help="Tensor names: 'store' (as stored) or 'hf-llama' (a Megatron-Core GPT store as "
-            "Hugging Face Llama: q/k/v and gate/up split, config.json)."
+            help="Tensor names: 'store' (as stored), 'hf-llama' or 'hf-mixtral' (a dense or MoE "
+            "Megatron-Core GPT store as Hugging Face Llama / Mixtral: q/k/v and gate/up split, "
+            "config.json)."
         ),
     ] = "store",
     overwrite: Overwrite = False,

@@ -164,3 +164,28 @@ def test_hugging_face_names_are_refused_in_one_line(runs: dict[str, dict[str, Ru
     assert "missing from the store: " in message
     assert "decoder.layers.0.self_attention.linear_qkv.weight" in message
     assert "Hugging Face Llama names" in message and "not back" in message
+
+
+def test_hf_mixtral_export_gives_megatrons_logits(
+    runs: dict[str, dict[str, Run]], tmp_path: Path
+) -> None:
+    """``export safetensors --names hf-mixtral`` of the GroupedMLP MoE store, loaded by
+    transformers' own ``MixtralForCausalLM.from_pretrained`` (it converts the hub's per-expert
+    ``w1``/``w2``/``w3`` names): the logits of Megatron's model holding the same fp32 masters.
+    float32 throughout; the two implementations order RMSNorm, RoPE, softmax and the expert sum
+    differently: atol 1e-5."""
+    from transformers import MixtralForCausalLM
+
+    from tests.fixtures._megatron_worker import tokens
+    from ucformat.export.safetensors import export_safetensors
+
+    run = runs["ep2-grouped>fp32"]["ucformat"]
+    store = run.reports[0]["store"]
+    export_safetensors(store, tmp_path / "hf", names="hf-mixtral", dtype="fp32")
+    model = MixtralForCausalLM.from_pretrained(tmp_path / "hf", attn_implementation="eager")
+    assert model.config.num_local_experts == 4 and model.config.num_experts_per_tok == 2
+    with torch.no_grad():
+        logits = model.eval()(input_ids=tokens(0)[:, :-1]).logits
+    megatron = run.ranks[0]["held"]["logits"]
+    assert megatron is not None and logits.shape == megatron.shape
+    torch.testing.assert_close(logits, megatron, rtol=0, atol=1e-5)

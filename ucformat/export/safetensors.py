@@ -45,7 +45,7 @@ from ucformat.export.common import (
     parse_size,
     prepare_destination,
 )
-from ucformat.export.hf_names import HF_LLAMA, NAMINGS, hf_llama_tensors, llama_config
+from ucformat.export.hf_names import HF_NAMINGS, NAMINGS, hf_config, hf_tensors
 from ucformat.export.replace import transactional
 from ucformat.export.url_target import export_to_url, is_url
 from ucformat.format.dtypes import itemsize, torch_dtype
@@ -66,7 +66,8 @@ __all__ = [
 ]
 
 SINGLE_NAME = "model.safetensors"
-#: Written with ``names="hf-llama"`` when the store records the model's shape arguments.
+#: Written with ``names="hf-llama"`` / ``"hf-mixtral"`` when the store records the model's
+#: shape arguments.
 CONFIG_NAME = "config.json"
 INDEX_NAME = "model.safetensors.index.json"
 DEFAULT_MAX_SHARD_SIZE = "5GB"
@@ -147,10 +148,10 @@ def _tensors(
     manifest: CheckpointManifest, dtype: str, tied: str, buffers: bool, names: str = "store"
 ) -> list[_Tensor]:
     """(key, name, state, shape, dtype, segments) of every output tensor, in module order."""
-    if names == HF_LLAMA:
+    if names in HF_NAMINGS:
         return [
             (t.key, t.name, FP32_STATE, t.shape, dtype, t.segments)
-            for t in hf_llama_tensors(manifest)
+            for t in hf_tensors(manifest, names)
         ]
     if names != "store":
         raise UnsupportedExportError(f"names={names!r}; expected one of {', '.join(NAMINGS)}.")
@@ -219,8 +220,9 @@ def plan_safetensors(
         tied: ``"drop"`` leaves tied aliases out (transformers re-ties them); ``"copy"`` writes
             each alias as its own tensor.
         buffers: include persistent buffers.
-        names: ``store`` (the store's names) or ``hf-llama`` (a Megatron-Core GPT store under
-            Hugging Face Llama names, fused q/k/v and gate/up split: :mod:`.hf_names`).
+        names: ``store`` (the store's names), ``hf-llama`` or ``hf-mixtral`` (a Megatron-Core
+            GPT store under Hugging Face Llama / Mixtral names, fused q/k/v and gate/up split:
+            :mod:`.hf_names`).
     """
     out_dtype = parse_dtype(dtype) or "float32"
     if tied not in ("drop", "copy"):
@@ -323,8 +325,9 @@ def export_safetensors(
         dry_run: plan only; write nothing.
         piece_bytes: read granularity; bounds the memory used (default 64 MiB).
         hooks: progress callbacks.
-        names: ``store`` or ``hf-llama`` (a Megatron-Core GPT store as Hugging Face Llama
-            tensors, plus its ``config.json`` when the store records the model's arguments).
+        names: ``store``, ``hf-llama`` or ``hf-mixtral`` (a Megatron-Core GPT store, dense or
+            MoE, as Hugging Face Llama or Mixtral tensors, plus its ``config.json`` when the
+            store records the model's arguments: :mod:`.hf_names`).
 
     Returns:
         An :class:`~ucformat.export.ExportResult`.
@@ -363,7 +366,7 @@ def export_safetensors(
         buffers=buffers,
         names=names,
     )
-    config = llama_config(ckpt.manifest) if names == HF_LLAMA else None
+    config = hf_config(ckpt.manifest, names) if names in HF_NAMINGS else None
     folder = Path(out)
     prepare_destination(folder, overwrite=overwrite, owned=_owned, dry_run=dry_run)
     hooks.plan(plan.nbytes)
