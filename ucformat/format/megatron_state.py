@@ -96,11 +96,17 @@ class MegatronKeys:
         return (*self.axes[key], *self.entries[first].shape)
 
 
-def _index(meta: MegatronParam) -> tuple[int, ...]:
-    """The parameter's index on its key's prepended axes (format 3.0: the layer axis if any)."""
+def _axis_names(meta: MegatronParam) -> list[str]:
+    """The axes Megatron prepends to the parameter's key (format 3.0: the layer axis if any)."""
     axes: list[str] = list(meta.axes)
     if not axes and meta.layer is not None and not _PER_LAYER.match(meta.key):
         axes = [LAYER_AXIS]
+    return axes
+
+
+def _index(meta: MegatronParam) -> tuple[int, ...]:
+    """The parameter's index on its key's prepended axes."""
+    axes = _axis_names(meta)
     values: dict[str, int | None] = {LAYER_AXIS: meta.layer, EXPERT_AXIS: meta.expert}
     index = tuple(values[axis] for axis in axes)
     if any(i is None for i in index):
@@ -128,6 +134,7 @@ def megatron_keys(manifest: CheckpointManifest) -> MegatronKeys:
     entries: dict[str, MegatronEntry] = {}
     by_index: dict[tuple[str, tuple[int, ...]], str] = {}
     seen: dict[str, list[MegatronEntry]] = {}
+    names: dict[str, set[tuple[str, ...]]] = {}
     for name, param in manifest.params.items():
         meta = layout.params.get(name)
         if meta is None:
@@ -146,16 +153,21 @@ def megatron_keys(manifest: CheckpointManifest) -> MegatronKeys:
         entries[name] = entry
         by_index[(entry.key, entry.index)] = name
         seen.setdefault(entry.key, []).append(entry)
+        names.setdefault(entry.key, set()).add(tuple(_axis_names(meta)))
+    known = {LAYER_AXIS: layout.num_layers or 0, EXPERT_AXIS: layout.num_experts or 0}
     axes: dict[str, tuple[int, ...]] = {}
     for key, members in seen.items():
-        ranks = {len(m.index) for m in members}
         shapes = {m.shape for m in members}
-        if len(ranks) > 1 or len(shapes) > 1:
+        if len(names[key]) > 1 or len(shapes) > 1:
             raise UnsupportedExportError(
                 f"Megatron key {key}: its parameters ({members[0].name}, ...) differ in shape "
                 f"({sorted(list(s) for s in shapes)}) or in their prepended axes."
             )
-        size = tuple(max(m.index[d] for m in members) + 1 for d in range(ranks.pop()))
+        (axis_names,) = names[key]
+        size = tuple(
+            max(known[axis], *(m.index[d] + 1 for m in members))
+            for d, axis in enumerate(axis_names)
+        )
         if len(members) != math.prod(size):
             raise UnsupportedExportError(
                 f"Megatron key {key}: {len(members)} parameters do not fill its axes {list(size)} "
