@@ -228,3 +228,23 @@ def test_dp_reshardable_store_exports_to_a_new_tp(stores: dict[str, Path], tmp_p
     assert boxes["optimizer.state.param.decoder.layers.self_attention.linear_qkv.weight"][1] == (
         "float32"
     )
+
+
+def test_hugging_face_names_refuse_what_does_not_fit(
+    stores: dict[str, Path], tmp_path: Path
+) -> None:
+    """Llama is dense, Mixtral has no shared experts: one line each."""
+    assert_user_error(
+        invoke("export", "safetensors", stores["ep2-grouped"], tmp_path / "a", "--names",
+               "hf-llama"),
+        "use --names hf-mixtral",
+    )  # fmt: skip
+    assert_user_error(
+        invoke("export", "safetensors", stores["ep2"], tmp_path / "b", "--names", "hf-mixtral"),
+        "mlp.shared_experts.linear_fc1.weight': Hugging Face Mixtral has no parameter for it",
+    )
+    assert_user_error(
+        invoke("export", "safetensors", stores["tp2-fp32"], tmp_path / "c", "--names",
+               "hf-mixtral"),
+        "no experts: use --names hf-llama",
+    )  # fmt: skip

@@ -24,6 +24,7 @@ Megatron-LM makes before its ``load_checkpoint``). Per rank:
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import math
 import time
@@ -121,19 +122,25 @@ def _open(store: StoreLike | UniversalCheckpoint) -> UniversalCheckpoint:
 def _clip(
     runs: list[Run], base: int, spans: list[tuple[int, int]] | None
 ) -> tuple[list[Run], list[tuple[int, int]]]:
-    """``runs`` (local positions ``base + chunk_start``) inside ``spans`` (all, if None),
-    compacted, with their local positions."""
+    """``runs`` (local positions ``base + chunk_start``) inside ``spans`` (sorted, disjoint;
+    all of them if None), compacted, with their local positions."""
+    if spans is None:
+        return runs, [(base + run.chunk_start, run.length) for run in runs]
+    starts = [low for low, _ in spans]
     compact: list[Run] = []
     positions: list[tuple[int, int]] = []
     at = 0
     for run in runs:
         low_run = base + run.chunk_start
-        for low, high in spans if spans is not None else [(low_run, low_run + run.length)]:
-            a, b = max(low, low_run), min(high, low_run + run.length)
+        high_run = low_run + run.length
+        index = max(0, bisect.bisect_right(starts, low_run) - 1)
+        while index < len(spans) and spans[index][0] < high_run:
+            a, b = max(spans[index][0], low_run), min(spans[index][1], high_run)
             if a < b:
                 compact.append(Run(run.start + a - low_run, at, b - a))
                 positions.append((a, b - a))
                 at += b - a
+            index += 1
     return compact, positions
 
 
@@ -230,8 +237,8 @@ def _targets(ckpt: UniversalCheckpoint, job: MegatronJob, sharded: Any) -> list[
         data = value.data
         spans = needed.get(data.untyped_storage().data_ptr()) if data.is_contiguous() else None
         if spans is not None:  # the distributed optimizer keeps only these of this rank's
-            start = data.storage_offset()
-            spans = [(a - start, b - start) for a, b in spans]
+            start, stop = data.storage_offset(), data.storage_offset() + data.numel()
+            spans = sorted((a - start, b - start) for a, b in spans if a < stop and b > start)
         target = _target(resolver, value, spans, missing_states)
         if target is not None:
             targets.append(target)
