@@ -61,7 +61,7 @@ from ucformat.export.common import (
 )
 from ucformat.export.dcp import DcpPiece, DcpTensorItem, DcpValueItem, write_dcp_files
 from ucformat.export.replace import transactional
-from ucformat.export.run_folder import Destination, prepare_folder
+from ucformat.export.run_folder import Destination, check_run_folder, prepare_folder
 from ucformat.export.url_target import export_to_url, is_url
 from ucformat.format.megatron_state import (
     MegatronKeys,
@@ -430,16 +430,10 @@ def _tracker_iteration(folder: Path) -> str | None:
 def _destination(folder: Path, plan: MegatronPlan, overwrite: bool) -> Destination:
     """Check ``folder`` (names only): a new or empty folder, or a Megatron-LM checkpoint folder
     (it has the tracker) without this iteration, unless ``overwrite``."""
-    if folder.exists() and not folder.is_dir():
-        raise StoreExistsError(f"{folder}: exists and is a file; choose a folder as destination.")
-    children = sorted(p.name for p in folder.iterdir()) if folder.exists() else []
     previous = _tracker_iteration(folder)
-    if children and previous is None and not overwrite:
-        raise StoreExistsError(
-            f"{folder}: already exists, is not empty and has no {TRACKER} (not a Megatron-LM "
-            "checkpoint folder); pass overwrite=True to replace the files this export writes "
-            "(other files are kept), or choose an empty folder."
-        )
+    check_run_folder(
+        folder, pointer=previous, pointer_name=TRACKER, kind="Megatron-LM", overwrite=overwrite
+    )
     exists = (folder / plan.folder).exists()
     if exists and not overwrite:
         raise StoreExistsError(

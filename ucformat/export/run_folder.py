@@ -29,6 +29,7 @@ from ucformat.export.replace import begin, remove_entry
 
 __all__ = [
     "Destination",
+    "check_run_folder",
     "derived_tag",
     "finish_destination",
     "plan_destination",
@@ -108,16 +109,9 @@ def plan_destination(
             folder that is not a run folder, without ``overwrite``.
         UnsupportedExportError: ``tag`` is not a plain folder name.
     """
-    if out.exists() and not out.is_dir():
-        raise StoreExistsError(f"{out}: exists and is a file; choose a folder as destination.")
-    children = sorted(p.name for p in out.iterdir()) if out.exists() else []
     previous = _read_latest(out)
-    if children and previous is None and not overwrite:
-        raise StoreExistsError(
-            f"{out}: already exists, is not empty and has no 'latest' file (not a DeepSpeed "
-            "checkpoint folder); pass overwrite=True to replace the files this export writes "
-            "(other files are kept), or choose an empty folder."
-        )
+    check_run_folder(out, pointer=previous, pointer_name="'latest' file", kind="DeepSpeed",
+                     overwrite=overwrite)  # fmt: skip
     if tag is None:
         taken = (out / source_tag).exists() and previous is not None and not overwrite
         tag = derived_tag(source_tag, world_size, stage) if taken else source_tag
@@ -135,6 +129,26 @@ def plan_destination(
         replace=exists,
         remove_previous=remove_previous,
     )
+
+
+def check_run_folder(
+    out: Path, *, pointer: str | None, pointer_name: str, kind: str, overwrite: bool
+) -> None:
+    """Refuse ``out`` if it is a file, or a non-empty folder without the run's pointer file
+    (``pointer`` None: not a ``kind`` checkpoint folder) unless ``overwrite`` (names only).
+
+    Raises:
+        StoreExistsError: see above.
+    """
+    if out.exists() and not out.is_dir():
+        raise StoreExistsError(f"{out}: exists and is a file; choose a folder as destination.")
+    children = sorted(p.name for p in out.iterdir()) if out.exists() else []
+    if children and pointer is None and not overwrite:
+        raise StoreExistsError(
+            f"{out}: already exists, is not empty and has no {pointer_name} (not a {kind} "
+            "checkpoint folder); pass overwrite=True to replace the files this export writes "
+            "(other files are kept), or choose an empty folder."
+        )
 
 
 def prepare_folder(dest: Destination) -> Path:
