@@ -385,6 +385,10 @@ def megatron_command(
         int | None,
         typer.Option("--vpp", help="Virtual pipeline stages per pipeline rank.", min=1),
     ] = None,
+    etp: Annotated[
+        int | None,
+        typer.Option("--etp", help="The experts' tensor-parallel degree [default: --tp].", min=1),
+    ] = None,
     overwrite: Overwrite = False,
     dry_run: DryRun = False,
     quiet: Quiet = False,
@@ -406,6 +410,7 @@ def megatron_command(
             first_stage_layers=first_stage_layers,
             last_stage_layers=last_stage_layers,
             vpp=vpp,
+            etp=etp,
             overwrite=overwrite,
             dry_run=dry_run,
             hooks=hooks,

@@ -41,6 +41,7 @@ SOURCES = [
     ("pp2tp2-vpp2", "fully_reshardable", True),
     ("ep2", "none", False),
     ("ep2-grouped", "fully_reshardable", True),
+    ("ep2-etp2", "fully_reshardable", True),
 ]
 _CHAINED = re.compile(r"^chained_\d+\.")
 _DATA_FILE = re.compile(r"^__(\d+)_\d+\.distcp$")

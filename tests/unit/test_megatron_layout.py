@@ -123,6 +123,12 @@ def test_expert_and_writer_ranks() -> None:
     assert grid.rank(1, 0, 0) == 1 and grid.rank(0, 0, 1) == 2 and grid.rank(0, 1, 0) == 4
     with pytest.raises(UnsupportedExportError, match="--tp must be at least 1"):
         MegatronGrid(tp=0)
+    # experts with their own TP: EP=2 x ETP=2 at TP=1 needs 4 ranks (DP=4 for the dense part)
+    experts = MegatronGrid(tp=1, ep=2, etp=2)
+    assert (experts.world_size, experts.dp, experts.expert_tp) == (4, 4, 2)
+    assert [experts.expert_rank(t, e, 0) for e in range(2) for t in range(2)] == [0, 1, 2, 3]
+    staged = MegatronGrid(tp=2, pp=2, ep=2, etp=1)  # world lcm(2, 2) * 2 = 4
+    assert staged.world_size == 4 and staged.expert_rank(0, 1, 1) == 3
 
 
 # --- the store in Megatron's terms ----------------------------------------------------------

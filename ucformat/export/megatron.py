@@ -210,13 +210,18 @@ def _tensor_items(
     num_experts = layout.num_experts or (max(experts) + 1 if experts else 0)
     for name, entry in keys.entries.items():
         stage = layer_stage(entry.layer, entry.key, stages, grid.pp)
-        dp_rank = 0
+        ep_rank = None
         if entry.expert is not None:
-            dp_rank = expert_rank(entry.expert, num_experts, grid.ep)
+            ep_rank = expert_rank(entry.expert, num_experts, grid.ep)
         fused = layout.params[name].fused
         halves = tuple(fused.sizes) if fused and fused.kind == "gate_up" and fused.sizes else ()
-        for box in tp_boxes(name, entry.shape, split_dim(entry.key), grid.tp, halves):
-            writer = grid.rank(box.tp_rank, stage, dp_rank)
+        degree = grid.tp if ep_rank is None else grid.expert_tp
+        for box in tp_boxes(name, entry.shape, split_dim(entry.key), degree, halves):
+            writer = (
+                grid.rank(box.tp_rank, stage)
+                if ep_rank is None
+                else grid.expert_rank(box.tp_rank, ep_rank, stage)
+            )
             offsets = (*entry.index, *box.offsets)
             sizes = (*(1 for _ in entry.index), *box.sizes)
             pieces.setdefault(entry.key, []).append((writer, offsets, sizes, name, box.offsets))
@@ -296,6 +301,7 @@ def plan_megatron(
     first_stage_layers: int | None = None,
     last_stage_layers: int | None = None,
     vpp: int | None = None,
+    etp: int | None = None,
 ) -> MegatronPlan:
     """Plan a Megatron export from the manifest alone (see the module docstring).
 
@@ -303,7 +309,11 @@ def plan_megatron(
         UnsupportedExportError: the store is not from Megatron-Core, or the layout cannot hold
             it (a split dim, the layers or the experts not divisible by the degrees).
     """
-    grid = MegatronGrid(tp, pp, ep)
+    layout = manifest.megatron
+    source = layout.parallel if layout is not None else None
+    if etp is None and source is not None and (source.tensor, source.expert) == (tp, ep):
+        etp = source.expert_tensor  # the source's own expert TP at its own TP and EP
+    grid = MegatronGrid(tp, pp, ep, etp)
     keys = megatron_keys(manifest)
     notes: list[str] = []
     source_distributed = _source_distributed(manifest)
@@ -359,10 +369,11 @@ def plan_megatron(
         args.pop(name, None)
     args.update(
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+        expert_tensor_parallel_size=grid.expert_tp,
         decoder_first_pipeline_num_layers=first_stage_layers,
         decoder_last_pipeline_num_layers=last_stage_layers,
         virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
-        expert_model_parallel_size=ep, expert_tensor_parallel_size=tp,
+        expert_model_parallel_size=ep,
         data_parallel_size=grid.dp, world_size=grid.world_size,
         use_distributed_optimizer=distributed, dist_ckpt_optim_fully_reshardable=distributed,
         ckpt_format="torch_dist", no_save_rng=True, no_save_optim=manifest.optimizer is None,
@@ -466,6 +477,7 @@ def export_megatron(
     first_stage_layers: int | None = None,
     last_stage_layers: int | None = None,
     vpp: int | None = None,
+    etp: int | None = None,
     overwrite: bool = False,
     dry_run: bool = False,
     hooks: ExportHooks | None = None,
@@ -492,6 +504,8 @@ def export_megatron(
         last_stage_layers: the same for the last stage.
         vpp: virtual (interleaved) pipeline stages per pipeline rank (default: the source's when
             ``pp`` is the source's, else 1).
+        etp: the experts' tensor-parallel degree (default: the source's at its own TP and EP,
+            else ``tp``, Megatron's default).
         overwrite: replace this iteration's folder (and, in a folder that is not a Megatron-LM
             checkpoint folder, write anyway; other files are kept).
         dry_run: plan only; write nothing.
@@ -518,6 +532,7 @@ def export_megatron(
         first_stage_layers=first_stage_layers,
         last_stage_layers=last_stage_layers,
         vpp=vpp,
+        etp=etp,
     )
     if is_url(out):
         return export_to_url(

@@ -17,19 +17,19 @@ the key's module and parameter names (the last two components):
   last stage, the rest evenly over the others); the embedding is on the first stage, the final
   norm and the output layer on the last;
 * **expert parallel** (EP, ``E`` ranks): global expert ``x`` of ``X`` is on EP rank
-  ``x // (X / E)``; an expert's own tensor parallelism is the dense one (Megatron's default
-  ``expert_tensor_parallel_size``);
-* **ranks**: ``rank = tp + T * (dp + D * pp)`` (Megatron's default order, TP fastest) with
-  ``D = E`` data-parallel ranks, the fewest an EP of ``E`` allows (EP ranks are data-parallel
-  ranks of the dense part); the EP rank of data-parallel rank ``dp`` is ``dp``. Of the ranks
-  holding a box, the one with data-parallel rank 0 (an expert's: its EP rank) writes it, as
-  Megatron's main replica does.
+  ``x // (X / E)``; the experts' own tensor parallelism ``ETP`` splits them as TP splits the
+  dense layers (Megatron's default ``expert_tensor_parallel_size`` is ``T``);
+* **ranks**: the world is the fewest ranks both grids fit, ``lcm(T, ETP * E) * P``; a dense
+  position is ``rank = tp + T * (dp + D * pp)`` (Megatron's default order, TP fastest), an
+  expert position ``rank = etp + ETP * (ep + E * (edp + EDP * pp))``. Of the ranks holding a
+  box, the one with (expert) data-parallel rank 0 writes it, as Megatron's main replica does.
 
 Standard library only.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from ucformat.errors import UnsupportedExportError
@@ -65,30 +65,43 @@ class Box:
 
 @dataclass(frozen=True)
 class MegatronGrid:
-    """A Megatron job's parallel degrees: ``tp`` x ``pp`` x ``ep``."""
+    """A Megatron job's parallel degrees: ``tp`` x ``pp`` x ``ep`` (the experts' own tensor
+    parallelism ``etp``: None for the dense ``tp``, Megatron's default)."""
 
     tp: int = 1
     pp: int = 1
     ep: int = 1
+    etp: int | None = None
 
     def __post_init__(self) -> None:
-        for flag, value in (("--tp", self.tp), ("--pp", self.pp), ("--ep", self.ep)):
-            if value < 1:
+        flags = (("--tp", self.tp), ("--pp", self.pp), ("--ep", self.ep), ("--etp", self.etp))
+        for flag, value in flags:
+            if value is not None and value < 1:
                 raise UnsupportedExportError(f"{flag} must be at least 1, got {value}.")
 
     @property
-    def dp(self) -> int:
-        """Data-parallel ranks of the dense part: the fewest that hold ``ep`` EP ranks."""
-        return self.ep
+    def expert_tp(self) -> int:
+        """The experts' tensor-parallel degree."""
+        return self.etp or self.tp
 
     @property
     def world_size(self) -> int:
-        """Ranks of the job: ``tp * pp * dp``."""
-        return self.tp * self.pp * self.dp
+        """The fewest ranks that hold both grids: ``lcm(tp, etp * ep) * pp``."""
+        return math.lcm(self.tp, self.expert_tp * self.ep) * self.pp
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel ranks of the dense part."""
+        return self.world_size // (self.tp * self.pp)
 
     def rank(self, tp_rank: int, pp_rank: int, dp_rank: int = 0) -> int:
-        """The global rank (TP fastest, then data parallel, then pipeline)."""
+        """The global rank of a dense position (TP fastest, then data parallel, then PP)."""
         return tp_rank + self.tp * (dp_rank + self.dp * pp_rank)
+
+    def expert_rank(self, etp_rank: int, ep_rank: int, pp_rank: int) -> int:
+        """The global rank of an expert position with expert-data-parallel rank 0 (expert TP
+        fastest, then EP, then expert data parallel, then PP)."""
+        return etp_rank + self.expert_tp * ep_rank + self.world_size // self.pp * pp_rank
 
 
 def split_dim(key: str) -> int | None:
