@@ -158,6 +158,14 @@ def test_a_store_of_the_models_own_names_loads(runs: dict[str, dict[str, Run]]) 
         _assert_same(got["held"]["model"], want["held"]["model"], "model")
 
 
+def test_another_network_is_refused_in_one_line(runs: dict[str, dict[str, Run]]) -> None:
+    """A 3-layer model from the 2-layer store: nothing loaded, one line naming what is missing."""
+    message = runs["tp2-fp32>3-layers"]["ucformat"].refused
+    assert "\n" not in message and "Nothing was loaded" in message
+    assert "missing from the store: " in message
+    assert "decoder.layers.self_attention.linear_qkv.weight[2]" in message
+
+
 def test_hugging_face_names_are_refused_in_one_line(runs: dict[str, dict[str, Run]]) -> None:
     message = runs["hf-llama>tp1"]["ucformat"].refused
     assert "\n" not in message
