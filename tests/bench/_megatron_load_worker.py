@@ -11,13 +11,10 @@ report; and a digest of what the rank holds afterwards (both loaders must agree)
 
 from __future__ import annotations
 
-import argparse
 import hashlib
-import json
 import os
 import sys
 import time
-import traceback
 from pathlib import Path
 from typing import Any
 
@@ -28,10 +25,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from tests.fixtures import _megatron_worker as fixture  # noqa: E402
-from tests.fixtures.megatron_shims import (  # noqa: E402
-    install_cpu_shims,
-    install_torch_adam_load_fixes,
-)
+from tests.fixtures._megatron_resume_worker import serve  # noqa: E402
 
 
 def _rchar() -> int:
@@ -106,30 +100,17 @@ def _load(job: dict[str, Any], rank: int) -> dict[str, Any]:
     return {"seconds": seconds, "rchar": read, "report": report, "digest": _digest(gpts, optimizer)}
 
 
+def _run(job: dict[str, Any], rank: int) -> dict[str, Any]:
+    """The job at the job's model sizes; every rank's result, gathered."""
+    fixture.MODEL.update(job["model"])
+    result = _save(job, rank) if job["kind"] == "save" else _load(job, rank)
+    gathered: list[Any] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(gathered, result)
+    return {"ranks": gathered}
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--jobs", type=Path, required=True)
-    args = parser.parse_args(argv)
-    torch.distributed.init_process_group("gloo")
-    install_cpu_shims()
-    install_torch_adam_load_fixes()
-    rank = torch.distributed.get_rank()
-    for job in json.loads(args.jobs.read_text()):
-        fixture.MODEL.update(job["model"])
-        try:
-            result = _save(job, rank) if job["kind"] == "save" else _load(job, rank)
-        except Exception:
-            print(f"FIXTURE-FAILED rank={rank} case={job['name']}\n{traceback.format_exc()}")
-            sys.stdout.flush()
-            os._exit(1)
-        gathered: list[Any] = [None] * torch.distributed.get_world_size()
-        torch.distributed.all_gather_object(gathered, result)
-        if rank == 0:
-            Path(job["result"]).write_text(json.dumps(gathered, indent=1))
-            print(f"JOB-DONE {job['name']}", flush=True)
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
-    return 0
+    return serve(_run, __doc__ or "", argv)
 
 
 if __name__ == "__main__":

@@ -96,7 +96,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     for world, batch in sorted(jobs.items()):
         launch_jobs(WORKER, world, batch, launches, "load", 3600)
         for job in batch:
-            ranks = json.loads(Path(job["result"]).read_text())
+            ranks = json.loads(Path(job["result"]).read_text())["ranks"]
             rows.append({"layout": job["layout"], "how": job["how"], "ranks": ranks})
     return rows
 

@@ -12,9 +12,10 @@ Megatron-LM makes before its ``load_checkpoint``). Per rank:
    :class:`~ucformat.errors.ModelMismatchError` line otherwise); the optimizer's param groups
    must match the store's by Megatron's group keys;
 2. read exactly the box each ShardedTensor names (the runs of flat elements of the stored
-   array), into new tensors; of the distributed optimizer's state only the flat range this
-   data-parallel rank's shard keeps (:func:`~ucformat.megatron.job.dp_needed`; the rest is left
-   NaN, never read by Megatron);
+   array), into new tensors (the model's own are its live parameters); of the distributed
+   optimizer's state only the flat range this data-parallel rank's shard keeps
+   (:func:`~ucformat.megatron.job.dp_needed`), into the buffers Megatron made for this load
+   (the rest of each is left NaN, never read by Megatron);
 3. agree with every other rank that all reads succeeded (:func:`ucformat.collective.settle`),
    then hand the tensors to Megatron exactly as ``dist_checkpointing.load`` would: the common
    state Megatron keeps outside tensors (param groups, step; what ``export megatron`` writes to
@@ -256,8 +257,10 @@ def _targets(ckpt: UniversalCheckpoint, job: MegatronJob, sharded: Any) -> list[
 def _read(ckpt: UniversalCheckpoint, target: _Target) -> int:
     """Read ``target``'s parts into a new tensor; return the bytes it needed."""
     like = target.sharded.data
-    out = torch.empty(like.shape, dtype=like.dtype)  # row-major, whatever the view's strides
-    if not target.whole:
+    if target.whole:  # a new tensor: the ShardedTensor's data may be the live parameter
+        out = torch.empty(like.shape, dtype=like.dtype)  # row-major, whatever its strides
+    else:  # the distributed optimizer's load buffer (contiguous): filled in place
+        out = like
         out.fill_(math.nan)
     flat = out.view(-1)
     needed = 0
