@@ -28,13 +28,14 @@ def deepspeed_available() -> bool:
 
 @pytest.fixture(scope="session")
 def ds_grid() -> Path:
-    """Every case of tests.fixtures.ds_cases.ALL, made by DeepSpeed itself (cached)."""
+    """Every case of tests.fixtures.ds_cases.ALL and ZOO, made by DeepSpeed itself (cached; one
+    launch per world size for both)."""
     if not deepspeed_available():
         pytest.skip("DeepSpeed is not installed")
-    from tests.fixtures.ds_cases import ALL
+    from tests.fixtures.ds_cases import ALL, ZOO
     from tests.fixtures.make_fixtures import generate
 
-    generate(GRID_CACHE, ALL, verbose=True)
+    generate(GRID_CACHE, ALL + ZOO, verbose=True)
     return GRID_CACHE
 
 

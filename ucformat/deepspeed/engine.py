@@ -16,11 +16,19 @@ import torch.distributed as dist
 
 from ucformat.deepspeed.experts import global_names
 from ucformat.errors import LayoutMismatchError, UnsupportedCheckpointError
+from ucformat.format.models import LossScaler
+from ucformat.format.pyvalue import decode
 from ucformat.layout.partition import PartitionedFlatLayout, PerParamLayout
 from ucformat.layout.tensor_parallel import ShardMap
 from ucformat.read.partitions import FlatTarget
 
-__all__ = ["EngineView", "describe_engine"]
+__all__ = ["EngineView", "describe_engine", "restore_loss_scaler"]
+
+#: Attributes DeepSpeed's ZeRO loss scalers (``DynamicLossScaler``) and the ZeRO-0 fp16
+#: wrappers' ``LossScaleConfig`` both have, with the same meaning.
+SHARED_SCALE_ATTRIBUTES = (
+    "cur_scale", "cur_iter", "last_overflow_iter", "scale_factor", "scale_window",
+)  # fmt: skip
 
 
 @dataclass
@@ -93,11 +101,39 @@ class EngineView:
         if self.kind == "zero3" and epilogue is not None:
             epilogue()
 
+    def scaler(self) -> Any:
+        """The wrapper's loss scaler (``LossScaler`` / ``DynamicLossScaler``); None without one
+        (``BF16_Optimizer``)."""
+        return getattr(self.wrapper, "loss_scaler", None)
+
     def relink_optimizer_state(self) -> None:
         """Point DeepSpeed's per-param fragment views at the newly loaded optimizer state."""
         if self.kind in ("zero12", "bf16") and hasattr(self.wrapper, "_hp_optimizer_states_linked"):
             self.wrapper._hp_optimizer_states_linked = False
             self.wrapper._lazy_init_hp_params_optimizer_state()
+
+
+def restore_loss_scaler(scaler: Any, saved: LossScaler) -> str | None:
+    """Write the stored loss-scaler state into the live ``scaler``; what was restored, or None.
+
+    The same class takes every stored attribute it has. A ZeRO scaler and a ZeRO-0 wrapper's
+    ``LossScaleConfig`` (a stage change) exchange :data:`SHARED_SCALE_ATTRIBUTES` when both
+    scale dynamically or both do not; otherwise nothing is written (None).
+    """
+    if type(scaler).__name__ == saved.class_name:
+        for name, value in saved.attributes.items():
+            if name in vars(scaler):
+                setattr(scaler, name, decode(value))
+        return saved.class_name
+    live = vars(scaler)
+    dynamic = bool(live.get("dynamic", live.get("dynamic_loss_scale", False)))
+    if dynamic != saved.dynamic:
+        return None
+    stored = {name: decode(value) for name, value in saved.attributes.items()}
+    for name in SHARED_SCALE_ATTRIBUTES:
+        if name in stored and name in live:
+            setattr(scaler, name, stored[name])
+    return f"{saved.class_name} into {type(scaler).__name__}"
 
 
 def _names(engine: Any) -> dict[int, str]:

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from ucformat.collective import NOTHING_LOADED, group, settle
-from ucformat.deepspeed.engine import EngineView, describe_engine
+from ucformat.deepspeed.engine import EngineView, describe_engine, restore_loss_scaler
 from ucformat.deepspeed.experts import held_elsewhere
 from ucformat.deepspeed.pipeline import other_stage_names
 from ucformat.deepspeed.pipeline_tp import pipeline_shard_maps
@@ -433,14 +433,12 @@ def _restore_progress(
         report.restored.append("lr scheduler")
     if not with_optimizer:
         return
-    scaler = getattr(wrapper, "loss_scaler", None)
+    scaler = view.scaler()
     saved = progress.loss_scaler
     if scaler is not None and saved is not None:
-        if type(scaler).__name__ == saved.class_name:
-            for name, value in saved.attributes.items():
-                if name in vars(scaler):
-                    setattr(scaler, name, decode(value))
-            report.restored.append(f"loss scaler ({saved.class_name}, scale {saved.cur_scale:g})")
+        restored = restore_loss_scaler(scaler, saved)
+        if restored:
+            report.restored.append(f"loss scaler ({restored}, scale {saved.cur_scale:g})")
         else:
             report.skipped.append(
                 f"loss scaler: stored {saved.class_name}, engine uses {type(scaler).__name__}"

@@ -46,6 +46,11 @@ from ucformat.sources.deepspeed.files import (
     model_states_file,
     tensor_parallel_degree,
 )
+from ucformat.sources.deepspeed.positional import (
+    decode_positional,
+    module_weights,
+    read_positional,
+)
 from ucformat.sources.deepspeed.states import (
     FlatStates,
     read_zero3_states,
@@ -157,6 +162,13 @@ def _describe(
             )
         moe = read_moe_states(meta, models[0], optim, files.experts, opener)
         stage, flat, world_size, experts = moe.stage, moe.flat, moe.world_size, moe.layout
+    elif not files.optim_files:  # ZeRO-0: the optimizer by position (.positional)
+        if other_tp_ranks:
+            raise UnsupportedCheckpointError(
+                f"{files.folder}: ZeRO-0 with tensor parallelism (model-parallel files); ucformat "
+                "reads AutoTP checkpoints trained with ZeRO 1-3."
+            )
+        return _describe_zero0(files, meta, models[0], handles)
     else:
         if int(meta["dp_world_size"]) != world_size:
             raise LayoutMismatchError(
@@ -210,6 +222,72 @@ def _describe(
         files=handles,
         tensor_parallel=tensor_parallel,
         experts=experts,
+    )
+
+
+def _describe_zero0(
+    files: ZeroFiles, meta: Mapping[str, Any], model: TorchFile, handles: list[TorchFile]
+) -> SourceCheckpoint:
+    """A ZeRO-0 checkpoint: names proven for the positional optimizer state (.positional)."""
+    if meta.get("optimizer") is None:
+        raise UnsupportedCheckpointError(
+            f"{model.path}: no optimizer state at all (no *_optim_states.pt shards and no "
+            "'optimizer' entry: saved by an engine without an optimizer); ucformat converts "
+            "training checkpoints."
+        )
+    opt = decode_positional(meta["optimizer"], model)
+    module: Mapping[str, Any] = meta["module"]
+    train_dtype = _train_dtype(meta.get("ds_config"))
+    buffer_names = [str(n) for n in meta.get("buffer_names") or []]
+    weights, tied = module_weights(module, buffer_names)
+    read = read_positional(opt, weights, train_dtype, model)
+    params = _trainable_params(read.flat, module, train_dtype)
+    for name in read.unplaced:
+        params[name] = frozen_param(_whole(weights[name], model, name))
+    order = {name: i for i, name in enumerate(module)}
+    params = dict(sorted(params.items(), key=lambda kv: order.get(kv[0], len(order))))
+    buffers = {name: _whole(module[name], model, name) for name in buffer_names}
+    source = SourceInfo(
+        framework_version=str(meta.get("ds_version", "unknown")),
+        path=str(files.folder.resolve()),
+        tag=files.tag,
+        zero_stage=0,
+        world_size=int(meta["dp_world_size"]),
+        train_dtype=train_dtype,  # type: ignore[arg-type]
+        optimizer_wrapper=opt.wrapper,
+        files=[SourceFile(name=h.path.name, size=h.size) for h in handles],
+        ds_config=_encode_or_none(meta.get("ds_config")),
+    )
+    progress = _progress(meta, {})
+    if opt.loss_scale:
+        progress = progress.model_copy(
+            update={
+                "loss_scaler": loss_scale_config(opt.loss_scale),
+                "dynamic_loss_scale": bool(opt.loss_scale.get("dynamic_loss_scale", False)),
+                "clip_grad": opt.clip_grad,
+            }
+        )
+    return SourceCheckpoint(
+        source=source,
+        params=params,
+        buffers=buffers,
+        tied=tied,
+        optimizer=_optimizer_info(read.flat, meta.get("ds_config")),
+        progress=progress,
+        client_state=_client_state(meta),
+        files=handles,
+    )
+
+
+def loss_scale_config(entries: Mapping[str, Any]) -> LossScaler:
+    """The manifest's loss scaler from an fp16 wrapper's loss-scale entries (ZeRO-0:
+    ``LossScaleConfig``'s attributes, saved flat in its ``state_dict()``)."""
+    attributes = {str(k): encode_exact(v, "loss_scaler") for k, v in entries.items()}
+    return LossScaler(
+        class_name="LossScaleConfig",
+        dynamic=bool(entries.get("dynamic_loss_scale", False)),
+        cur_scale=float(entries.get("cur_scale", 1.0)),
+        attributes=attributes,
     )
 
 

@@ -4,7 +4,8 @@ A DeepSpeed checkpoint *tag folder* holds (see docs/format.md and the ZeRO refer
 
 * ZeRO-1/2: ``mp_rank_00_model_states.pt`` and one
   ``[bf16_]zero_pp_rank_{dp}_mp_rank_00_optim_states.pt`` per data-parallel rank;
-* ZeRO-3: one ``zero_pp_rank_{dp}_mp_rank_00_model_states.pt`` and one optim file per rank.
+* ZeRO-3: one ``zero_pp_rank_{dp}_mp_rank_00_model_states.pt`` and one optim file per rank;
+* ZeRO-0 (no ZeRO): ``mp_rank_00_model_states.pt`` alone, the optimizer saved in it by position.
 
 The *run folder* above it holds a ``latest`` file naming the tag. This module only looks at
 names and sizes; it opens nothing.
@@ -78,8 +79,9 @@ class ZeroFiles:
 
     folder: Path
     tag: str
-    #: ZeRO-1/2: one file; ZeRO-3: one per rank.
+    #: ZeRO-0/1/2: one file; ZeRO-3: one per rank.
     model_files: tuple[Path, ...]
+    #: One per data-parallel rank; none at ZeRO-0 (the model states hold the optimizer).
     optim_files: tuple[Path, ...]
     per_rank_model_files: bool
     #: Native MoE expert files (:mod:`ucformat.sources.deepspeed.experts`); None without MoE.
@@ -141,7 +143,7 @@ def find_zero_files(folder: Path, tag: str, mp_rank: int | None = None) -> ZeroF
 
     Raises:
         NotACheckpointError: no model-states file.
-        UnsupportedCheckpointError: tensor/pipeline/expert parallel files, or ZeRO stage 0.
+        UnsupportedCheckpointError: tensor/pipeline/expert parallel files.
         SourceNotFoundError: a rank's file is missing.
         LayoutMismatchError: files from different runs are mixed.
     """
@@ -192,10 +194,12 @@ def find_zero_files(folder: Path, tag: str, mp_rank: int | None = None) -> ZeroF
         )
     if not optim and experts is not None and experts.expp_optim and model_z12:
         return ZeroFiles(folder, tag, (folder / model_z12[0],), experts.expp_optim, False, experts)
+    if not optim and model_z12:  # ZeRO-0: the optimizer by position, in the model states
+        return ZeroFiles(folder, tag, (folder / model_z12[0],), (), False, experts)
     if not optim:
         raise UnsupportedCheckpointError(
-            f"{folder}: has model states but no *_optim_states.pt shards; ucformat converts "
-            "ZeRO stage 1-3 checkpoints (stage 0 keeps the optimizer whole; not supported)."
+            f"{folder}: has ZeRO-3 model states but no *_optim_states.pt shards; the checkpoint "
+            "is incomplete."
         )
     if len(prefixes) > 1:
         raise LayoutMismatchError(

@@ -1,0 +1,55 @@
+"""DeepSpeed layouts beyond the ZeRO 1-3 grid (issue #31), made by DeepSpeed 0.19.8 itself.
+
+ZeRO stage 0 (the optimizer saved by position in the model states: a bare torch optimizer,
+``FP16_Optimizer``'s flat masters, ``FP16_UnfusedOptimizer``'s per-parameter masters, "DDP bf16")
+converts to exactly the training job's own state, every position named and proven (shapes,
+and masters that round to the 16-bit weights bit for bit; tests/fixtures/ds_cases.py ``ZOO``).
+Loads (tests/fixtures/load_cases.py ``ZOO_LOADS``) resume engines at other world sizes and
+stages, ZeRO-0 engines included, equal to the saved job's state, to DeepSpeed's own
+``load_checkpoint`` where it makes the same change, and with the never-stopped run's losses
+at the same layout.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import ucformat
+from tests.fixtures.ds_cases import ZOO
+from tests.fixtures.load_cases import ZOO_LOADS
+from tests.truth import assert_store_matches_truth, load_truth
+
+pytestmark = pytest.mark.deepspeed
+
+ZERO0 = [c.name for c in ZOO if c.stage == 0 and c.optimizer != "factored"]
+WRAPPERS = {
+    "z0-fp32-tadam-multi-ws2": "none",
+    "z0-fp16-dsadam-simple-ws2": "FP16_Optimizer",
+    "z0-fp16-tadam-ftb-ws2": "FP16_UnfusedOptimizer",
+    "z0-bf16-tadamw-multi-ws2": "FP16_UnfusedOptimizer",
+}
+
+
+@pytest.mark.parametrize("case", ZERO0)
+def test_zero0_converts_exactly(case: str, ds_grid: Path, tmp_path: Path) -> None:
+    source = ds_grid / case
+    manifest = ucformat.convert(source / "ckpt", tmp_path / "store")
+    assert manifest.source.zero_stage == 0
+    assert manifest.source.optimizer_wrapper == WRAPPERS[case]
+    assert_store_matches_truth(ucformat.open(tmp_path / "store"), load_truth(source))
+
+
+def test_zero0_fp16_records_the_wrappers_loss_scale(ds_grid: Path, tmp_path: Path) -> None:
+    manifest = ucformat.convert(ds_grid / "z0-fp16-dsadam-simple-ws2" / "ckpt", tmp_path / "s")
+    scaler = manifest.progress.loss_scaler
+    assert scaler is not None and scaler.class_name == "LossScaleConfig" and scaler.dynamic
+    assert manifest.progress.clip_grad == 1.0
+
+
+@pytest.mark.parametrize("name", [load.name for load in ZOO_LOADS])
+def test_zoo_loads(name: str, ds_loads: dict[str, dict[str, Any]]) -> None:
+    result = ds_loads[name]
+    assert result["failures"] == [], "\n".join(result["failures"])
