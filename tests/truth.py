@@ -67,6 +67,7 @@ def assert_store_matches_truth(ckpt: UniversalCheckpoint, truth: dict[str, Any])
     if truth["optim"] is not None:
         for name, want in truth["step"].items():
             assert_step(ckpt.read(name, "step"), want, f"{name}/step")
+    _check_odd_states(ckpt, truth)
     for name, want in truth["frozen"].items():
         entry = manifest.params[name]
         assert not entry.requires_grad and entry.group is None, name
@@ -106,6 +107,34 @@ def assert_store_matches_truth(ckpt: UniversalCheckpoint, truth: dict[str, Any])
     values = {k: decode(v) for k, v in manifest.client_state.values.items()}
     for key, want in truth["client_state"].items():
         assert plain(values[key]) == plain(want), f"client state {key}"
+
+
+def _check_odd_states(ckpt: UniversalCheckpoint, truth: dict[str, Any]) -> None:
+    """States neither elementwise nor 0-d (format 3.1): kept whole per parameter (ZeRO-0) or
+    once per partition (ZeRO-1/2), exactly as the job held them."""
+    manifest = ckpt.manifest
+    odd = truth.get("odd") or {}
+    if truth["case"]["stage"] == 0:
+        whole = {k for states in odd.values() for k in states}
+        assert manifest.optimizer is not None
+        assert sorted(manifest.optimizer.whole_keys) == sorted(whole)
+        for name, states in odd.items():
+            assert sorted(manifest.params[name].whole_states) == sorted(states), name
+            for key, want in states.items():
+                assert_exact(ckpt.read(name, key), want, f"{name}/{key} (whole)")
+        return
+    assert manifest.optimizer is not None
+    for index, group in enumerate(manifest.optimizer.groups):
+        held = odd.get(str(index), {})
+        assert sorted(group.partition_states) == sorted(held), f"group {index} partition states"
+        for key, per_rank in held.items():
+            state = group.partition_states[key]
+            rows = ckpt.read_array(state.array)
+            assert state.partitions == len(per_rank)
+            for rank, want in enumerate(per_rank):
+                assert_exact(rows[rank], want, f"group {index} {key} partition {rank}")
+            same = all(torch.equal(per_rank[0], t) for t in per_rank)
+            assert state.replicated == same, f"group {index} {key} replicated"
 
 
 def _tensor_mismatch(got: Any, want: Any) -> str | None:
@@ -149,6 +178,23 @@ def compare_truths(got: dict[str, Any], want: dict[str, Any], *, with_optimizer:
                 check(f"{key} {name}", got["optim"][name][key], value)
         for name, value in want["step"].items():
             check(f"step {name}", got["step"].get(name), value)
+    odd = (got.get("odd"), want.get("odd"))
+    same_layout = all(got["case"][k] == want["case"][k] for k in ("stage", "world_size")) or (
+        got["case"]["stage"] == want["case"]["stage"] == 0
+    )
+    if odd[1] and same_layout:  # not elementwise: compared where the layout holds them alike
+        if sorted(odd[0] or {}) != sorted(odd[1]):
+            failures.append(f"odd states of {sorted(odd[0] or {})} != {sorted(odd[1])}")
+        for where, states in odd[1].items():
+            for key, value in states.items():
+                have = (odd[0] or {}).get(where, {}).get(key)
+                if isinstance(value, list):
+                    for rank, (a, b) in enumerate(zip(have or [], value, strict=False)):
+                        check(f"{key} of group {where} partition {rank}", a, b)
+                    if have is None or len(have) != len(value):
+                        failures.append(f"{key} of group {where}: {have} != {value}")
+                else:
+                    check(f"{key} of {where}", have, value)
     if not want["case"].get("elastic_checkpoint"):
         got_groups = [plain(g) for g in got["param_groups"]]
         want_groups = [plain(g) for g in want["param_groups"]]

@@ -94,6 +94,8 @@ LOADS: tuple[tuple[str, int, int, int], ...] = (
     ("ep2-z2-top2-ws4", 4, 4, 1),  # ep2 -> ep4
     ("ep2-z1-top2-ws2", 2, 1, 0),  # ep2 -> ep1 x dp2 into a ZeRO-0 engine
     ("ep2-z2-top2-ws4", 4, 4, 0),  # ep2 x dp2 -> ep4 into a ZeRO-0 engine
+    ("ep2-z0-fp16-top1-ws2", 2, 2, 0),  # ZeRO-0 fp16 (masters by position): the same layout
+    ("ep2-z0-fp16-top1-ws2", 4, 2, 0),  # ZeRO-0 fp16: ep2 x dp1 -> ep2 x dp2
 )
 
 
@@ -132,7 +134,10 @@ def moe_loads(
         source, world, ep, stage = load
         case = next(c for c in CASES if c.name == source)
         name = _native_name(load) if native else _load_name(load)
-        target = {"name": name, "world_size": world, "ep_size": ep, "stage": stage, "k": case.k}
+        target = {
+            "name": name, "world_size": world, "ep_size": ep, "stage": stage, "k": case.k,
+            "dtype": case.dtype,
+        }  # fmt: skip
         job = {
             "name": name,
             "case": {**target, "steps": case.steps},

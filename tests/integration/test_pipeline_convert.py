@@ -16,18 +16,17 @@ import ucformat
 import ucformat.torch as uctorch
 from tests.conftest import deepspeed_available
 from tests.fixtures.pp_cases import CASES, by_name
-from ucformat.errors import LayoutMismatchError, UnsupportedCheckpointError
+from ucformat.errors import LayoutMismatchError
 from ucformat.format.summary import summarize
 
 pytestmark = pytest.mark.deepspeed
 
 #: Tensor-parallel cases (``mp > 1``): tests/integration/test_pipeline_tp.py.
-#: ZeRO-0 pipelines are read in bf16 only (BF16_Optimizer's shards); fp32 and fp16 are refused.
-CONVERTIBLE = [
-    c.name for c in CASES if not c.tied_bias and c.mp == 1 and (c.stage == 1 or c.dtype == "bf16")
-]
+#: ZeRO-0 pipelines in bf16 write BF16_Optimizer's shards; in fp32 and fp16 each stage saves its
+#: optimizer by position in its model states (named from the layer files: .pipeline_zero0).
+CONVERTIBLE = [c.name for c in CASES if not c.tied_bias and c.mp == 1]
 #: ds_to_universal fails on ZeRO-0 pipelines (bf16: "param_shapes must contain dictionaries";
-#: fp16: ``FileNotFoundError: can't find *_optim_states.pt files``), and on
+#: fp32/fp16: ``FileNotFoundError: can't find *_optim_states.pt files``), and on
 #: the pp4 one (``ZeroDivisionError`` in ``_build_transformer_file_map``: its last stage holds
 #: only the tied head, no layer file).
 UNIVERSAL = [c for c in CONVERTIBLE if by_name(c).stage == 1 and by_name(c).pp < 4]
@@ -62,11 +61,27 @@ def _universal_params(folder: Path) -> dict[str, dict[str, torch.Tensor]]:
     return params
 
 
-def _truth(folder: Path, stages: int) -> dict[str, dict[str, torch.Tensor]]:
+def _positional(case: str) -> bool:
+    """A ZeRO-0 pipeline whose stages save their optimizer by position (not bf16)."""
+    spec = by_name(case)
+    return spec.stage == 0 and spec.dtype != "bf16"
+
+
+def _stored_name(name: str, positional: bool) -> str:
+    """ZeRO-0 keeps no tied key: the tied module is stored under its first layer (0)."""
+    if positional and name.startswith("tied_modules.embed."):
+        return "0." + name.rpartition(".")[2]
+    return name
+
+
+def _truth(
+    folder: Path, stages: int, positional: bool = False
+) -> dict[str, dict[str, torch.Tensor]]:
     """The training job's gathered state; a tied param's stage copies must agree."""
     truth: dict[str, dict[str, torch.Tensor]] = {}
     for stage in range(stages):
         for name, states in torch.load(folder / f"truth-stage{stage}.pt").items():
+            name = _stored_name(name, positional)
             if name in truth:
                 assert all(torch.equal(truth[name][k], v) for k, v in states.items()), name
             truth[name] = states
@@ -91,12 +106,15 @@ def test_pipeline_converts_like_the_training_job_holds_it(
 ) -> None:
     spec = by_name(case)
     manifest = ucformat.convert(pipeline_cases[case] / "ckpt", tmp_path / "store")
-    _check_store(tmp_path / "store", _truth(pipeline_cases[case], spec.pp))
+    _check_store(tmp_path / "store", _truth(pipeline_cases[case], spec.pp, _positional(case)))
     pipeline = manifest.source.pipeline
     assert pipeline is not None
     assert pipeline.num_stages == spec.pp and pipeline.data_parallel == spec.dp
     assert manifest.source.world_size == spec.dp
-    if spec.tied and spec.pp == 1:
+    if _positional(case) and spec.tied:  # the tied module named by layer 0, on both stages
+        assert [s.tied for s in pipeline.stages] == [[], []]
+        assert [s.layers for s in pipeline.stages] == [[0, 1], [0, 3, 4]]
+    elif spec.tied and spec.pp == 1:
         assert [s.tied for s in pipeline.stages] == [["embed"]]
         assert [s.layers for s in pipeline.stages] == [[1, 3, 4]]
     elif spec.tied and spec.pp == 4:  # uniform over 6 layers: [0-1], [2-3], [4], [5]
@@ -148,37 +166,22 @@ def test_diverged_tied_copies_are_refused_naming_the_param(
     assert not (tmp_path / "s" / "ucformat.json").exists()
 
 
-def test_fp32_zero0_pipelines_are_refused_in_one_line(
+def test_zero0_pipelines_name_the_tied_module_by_its_first_layer(
     pipeline_cases: dict[str, Path], tmp_path: Path
 ) -> None:
-    # No ZeRO wrapper: each stage's torch optimizer state is saved by position only.
-    with pytest.raises(UnsupportedCheckpointError) as info:
-        ucformat.convert(pipeline_cases["pp2dp1-z0-fp32-tied"] / "ckpt", tmp_path / "s")
-    message = str(info.value)
-    assert "\n" not in message
-    assert message.endswith(
-        "(ZeRO-0 in fp32: each stage's optimizer state is saved by position, without parameter "
-        "names or param_shapes); ucformat reads pipeline checkpoints trained with ZeRO-1 or bf16."
-    )
-
-
-def test_fp16_zero0_pipelines_are_refused_in_one_line_naming_the_file(
-    pipeline_cases: dict[str, Path], tmp_path: Path
-) -> None:
-    # FP16_UnfusedOptimizer (torch AdamW under fp16, no ZeRO): fp32 masters and Adam moments
-    # in each stage's model states, by position; no optimizer shards.
+    # fp16 ZeRO-0 (FP16_UnfusedOptimizer): masters and moments by position in each stage's
+    # model states, no optimizer shards; each master rounds to exactly one layer weight
     folder = pipeline_cases["pp2dp1-z0-fp16-tied"] / "ckpt" / "step3"
     assert not list(folder.glob("*optim_states.pt"))
-    with pytest.raises(UnsupportedCheckpointError) as info:
-        ucformat.convert(folder.parent, tmp_path / "s")
-    assert str(info.value) == (
-        f"{folder / 'mp_rank_00_model_states.pt'}: ZeRO-0 in fp16 (FP16_UnfusedOptimizer): each "
-        "stage's fp32 master weights and Adam moments are saved in its model-states 'optimizer' "
-        "entry by position (fp32_groups, optimizer_state_dict), without parameter names or "
-        'param_shapes; ucformat reads fp16 pipelines trained with ZeRO-1 ("zero_optimization": '
-        '{"stage": 1}).'
-    )
-    assert not (tmp_path / "s" / "ucformat.json").exists()
+    manifest = ucformat.convert(folder.parent, tmp_path / "s")
+    assert list(manifest.params) == [
+        "0.weight", "1.weight", "1.bias", "3.weight", "3.bias", "4.weight", "4.bias",
+    ]  # fmt: skip
+    assert manifest.source.zero_stage == 0
+    assert manifest.source.optimizer_wrapper == "FP16_UnfusedOptimizer"
+    scaler = manifest.progress.loss_scaler
+    assert scaler is not None and scaler.class_name == "LossScaleConfig"
+    assert scaler.cur_scale == 2.0**8 and scaler.attributes["cur_iter"] == 3
 
 
 def test_fp16_pipeline_records_its_loss_scaler(

@@ -1,7 +1,8 @@
 """``ucformat.deepspeed.load`` of converted PipelineModule checkpoints into engines at another
 pp and dp, and into a plain (non-pipeline) engine of the same network: every rank's state equals
 the saved one, and equals DeepSpeed's own universal load where DeepSpeed can convert the source
-(ZeRO-1), next losses included (tests/fixtures/_pp_load_worker.py)."""
+(ZeRO-1), or its own ``load_checkpoint`` where it can load the source as it is (ZeRO-0 at another
+dp), next losses included (tests/fixtures/_pp_load_worker.py)."""
 
 from __future__ import annotations
 
@@ -35,7 +36,13 @@ LOADS: tuple[tuple[str, str, int, int, bool], ...] = (
     ("tied-pp2dp1-to-pp4dp1", "pp2dp1-z1-fp32-tied", 4, 1, True),
     ("fp32-pp2dp2-to-pp4dp1", "pp2dp2-z1-fp32", 4, 1, True),
     ("tied-pp4dp1-to-pp2dp2", "pp4dp1-z1-fp32-tied", 2, 2, False),  # ds_to_universal fails
+    # ZeRO-0 (the optimizer by position): DeepSpeed's own load_checkpoint of the checkpoint
+    # itself is the oracle where it can make the change (same pp, any dp)
+    ("fp32-z0-tied-pp2dp1-to-pp2dp2", "pp2dp1-z0-fp32-tied", 2, 2, True),
+    ("fp16-z0-tied-pp2dp1-to-pp1dp2", "pp2dp1-z0-fp16-tied", 1, 2, False),
 )
+#: Jobs whose oracle is DeepSpeed's own ``load_checkpoint`` (ZeRO-0: no universal conversion).
+NATIVE = {"fp32-z0-tied-pp2dp1-to-pp2dp2"}
 
 
 @pytest.fixture(scope="module")
@@ -50,12 +57,15 @@ def load_results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str
     stores = {s: work / "stores" / s for s in sources}
     for source, store in stores.items():
         ucformat.convert(cases[source] / "ckpt", store)
-    universal = to_universal({s: cases[s] for _, s, _, _, oracle in LOADS if oracle})
+    universal = to_universal(
+        {s: cases[s] for name, s, _, _, oracle in LOADS if oracle and name not in NATIVE}
+    )
     jobs = [
         {
             "kind": "load", "name": name, "case": asdict(by_name(source)),
             "dir": str(cases[source]), "store": str(stores[source]),
-            "universal": str(universal[source]) if oracle else None,
+            "universal": str(universal[source]) if oracle and name not in NATIVE else None,
+            "native": name in NATIVE,
             "target": {"pp": max(pp, 1), "dp": dp, "plain": pp == 0},
             "world_size": max(pp, 1) * dp,
         }

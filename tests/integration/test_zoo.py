@@ -24,12 +24,13 @@ from tests.truth import assert_store_matches_truth, load_truth
 
 pytestmark = pytest.mark.deepspeed
 
-ZERO0 = [c.name for c in ZOO if c.stage == 0 and c.optimizer != "factored"]
+ZERO0 = [c.name for c in ZOO if c.stage == 0]
 WRAPPERS = {
     "z0-fp32-tadam-multi-ws2": "none",
     "z0-fp16-dsadam-simple-ws2": "FP16_Optimizer",
     "z0-fp16-tadam-ftb-ws2": "FP16_UnfusedOptimizer",
     "z0-bf16-tadamw-multi-ws2": "FP16_UnfusedOptimizer",
+    "z0-fp32-fact-multi-ws2": "none",
 }
 
 
@@ -47,6 +48,40 @@ def test_zero0_fp16_records_the_wrappers_loss_scale(ds_grid: Path, tmp_path: Pat
     scaler = manifest.progress.loss_scaler
     assert scaler is not None and scaler.class_name == "LossScaleConfig" and scaler.dynamic
     assert manifest.progress.clip_grad == 1.0
+
+
+def test_states_kept_whole_per_parameter_as_saved(ds_grid: Path, tmp_path: Path) -> None:
+    """ZeRO-0, an optimizer with a 1-element tensor, an int and Adafactor-style factors: the
+    factors and tensors keep their own shapes (format 3.1 whole_states), exactly."""
+    manifest = ucformat.convert(ds_grid / "z0-fp32-fact-multi-ws2" / "ckpt", tmp_path / "s")
+    assert manifest.format_version == "3.1"
+    assert manifest.optimizer is not None
+    assert manifest.optimizer.whole_keys == ["col", "peak", "row", "tensor_step"]
+    assert manifest.optimizer.state_keys == ["exp_avg", "exp_avg_sq"]
+    weight = manifest.params["a.weight"]  # Linear(7, 5)
+    assert {k: r.shape for k, r in weight.whole_states.items()} == {
+        "tensor_step": [1], "peak": [1], "row": [5], "col": [7],
+    }  # fmt: skip
+    assert sorted(weight.states) == ["exp_avg", "fp32"]  # no exp_avg_sq: factored
+    assert weight.scalars["step"].kind == "int"
+    assert sorted(manifest.params["a.bias"].states) == ["exp_avg", "exp_avg_sq", "fp32"]
+    assert ucformat.verify(tmp_path / "s").ok
+
+
+def test_states_kept_per_partition_as_saved(ds_grid: Path, tmp_path: Path) -> None:
+    """ZeRO-2, the same optimizer: its 1-element tensors are the partition's, one per rank
+    (format 3.1 partition_states); 'tensor_step' is equal on both ranks, 'peak' is not."""
+    manifest = ucformat.convert(ds_grid / "z2-fp32-fact-simple-ws2" / "ckpt", tmp_path / "s")
+    assert manifest.format_version == "3.1" and manifest.optimizer is not None
+    states = manifest.optimizer.groups[0].partition_states
+    assert sorted(states) == ["peak", "tensor_step"]
+    assert states["tensor_step"].replicated and not states["peak"].replicated
+    assert states["peak"].partitions == 2 and states["peak"].shape == [1]
+    assert states["peak"].array.path == "params/fc1.weight/peak"
+    assert_store_matches_truth(
+        ucformat.open(tmp_path / "s"), load_truth(ds_grid / "z2-fp32-fact-simple-ws2")
+    )
+    assert ucformat.verify(tmp_path / "s", against=ds_grid / "z2-fp32-fact-simple-ws2" / "ckpt").ok
 
 
 @pytest.mark.parametrize("name", [load.name for load in ZOO_LOADS])

@@ -67,7 +67,8 @@ def test_tensor_parallel_layer_files_are_refused(tmp_path: Path) -> None:
         find_pipeline_files(folder, "step3")
 
 
-def test_fp32_zero0_pipelines_are_refused(tmp_path: Path) -> None:
-    folder = _folder(tmp_path, PP2DP2[:4])
-    with pytest.raises(UnsupportedCheckpointError, match="ZeRO-0 in fp32"):
-        find_pipeline_files(folder, "step3")
+def test_zero0_pipelines_have_no_optimizer_shards(tmp_path: Path) -> None:
+    folder = _folder(tmp_path, PP2DP2[:4])  # each stage's optimizer is in its model states
+    files = find_pipeline_files(folder, "step3")
+    assert files.optim_files == ((), ()) and files.data_parallel == 0
+    assert [p.name for p in files.model_files] == PP2DP2[2:4]

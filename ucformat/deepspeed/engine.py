@@ -8,6 +8,7 @@ own buffer lengths are only used to cross-check them.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,7 +23,7 @@ from ucformat.layout.partition import PartitionedFlatLayout, PerParamLayout
 from ucformat.layout.tensor_parallel import ShardMap
 from ucformat.read.partitions import FlatTarget
 
-__all__ = ["EngineView", "describe_engine", "restore_loss_scaler"]
+__all__ = ["EngineView", "describe_engine", "engine_names", "restore_loss_scaler"]
 
 #: Attributes DeepSpeed's ZeRO loss scalers (``DynamicLossScaler``) and the ZeRO-0 fp16
 #: wrappers' ``LossScaleConfig`` both have, with the same meaning.
@@ -101,6 +102,11 @@ class EngineView:
         if self.kind == "zero3" and epilogue is not None:
             epilogue()
 
+    def holds_whole_params(self) -> bool:
+        """Whether each flat target is one parameter the optimizer steps whole (ZeRO-0 without
+        a fused flat group); ZeRO partitions never are."""
+        return False
+
     def scaler(self) -> Any:
         """The wrapper's loss scaler (``LossScaler`` / ``DynamicLossScaler``); None without one
         (``BF16_Optimizer``)."""
@@ -136,18 +142,25 @@ def restore_loss_scaler(scaler: Any, saved: LossScaler) -> str | None:
     return f"{saved.class_name} into {type(scaler).__name__}"
 
 
-def _names(engine: Any) -> dict[int, str]:
+def engine_names(engine: Any, renames: Mapping[str, str] | None = None) -> dict[int, str]:
+    """``id(param) -> fqn`` of ``engine.module``: MoE experts under their global ids
+    (:mod:`ucformat.deepspeed.experts`), then ``renames`` applied (the names a store keeps
+    some parameters under: :func:`ucformat.deepspeed.pipeline.tied_store_names`)."""
     if getattr(engine, "has_moe_layers", False):
-        return global_names(engine)
-    return {id(p): name for name, p in engine.module.named_parameters()}
+        names = global_names(engine)
+    else:
+        names = {id(p): name for name, p in engine.module.named_parameters()}
+    if renames:
+        names = {key: renames.get(name, name) for key, name in names.items()}
+    return names
 
 
 def _group_rank(group: Any) -> tuple[int, int]:
     return dist.get_rank(group=group), dist.get_world_size(group=group)
 
 
-def describe_engine(engine: Any) -> EngineView:
-    """Build the :class:`EngineView` of ``engine``.
+def describe_engine(engine: Any, renames: Mapping[str, str] | None = None) -> EngineView:
+    """Build the :class:`EngineView` of ``engine`` (``renames``: :func:`engine_names`).
 
     Raises:
         UnsupportedCheckpointError: no ZeRO optimizer, MoE, or NVMe offload.
@@ -155,7 +168,7 @@ def describe_engine(engine: Any) -> EngineView:
     """
     wrapper = getattr(engine, "optimizer", None)
     kind = type(wrapper).__name__
-    names = _names(engine)
+    names = engine_names(engine, renames)
     if kind == "DeepSpeedZeroOptimizer":
         return _zero12(engine, wrapper, names)
     if kind == "BF16_Optimizer":

@@ -27,10 +27,11 @@ from typing import Any
 
 import torch
 
-from ucformat.collective import NOTHING_LOADED, group, settle
+from ucformat.collective import NOTHING_LOADED, Group, agree, group, settle
 from ucformat.deepspeed.engine import EngineView, describe_engine, restore_loss_scaler
 from ucformat.deepspeed.experts import held_elsewhere
-from ucformat.deepspeed.pipeline import other_stage_names
+from ucformat.deepspeed.odd_states import plan_odd_states, read_odd_states, write_odd_states
+from ucformat.deepspeed.pipeline import other_stage_names, tied_store_names
 from ucformat.deepspeed.pipeline_tp import pipeline_shard_maps
 from ucformat.deepspeed.tensor_parallel import logical_fragments, shard_maps
 from ucformat.deepspeed.unpartitioned import describe_unpartitioned, is_unpartitioned
@@ -119,21 +120,30 @@ def load(
     started = time.perf_counter()
     ckpt = store if isinstance(store, UniversalCheckpoint) else open_checkpoint(store)
     before, requests_before = ckpt.stats.bytes_read, ckpt.stats.requests
-    view = describe_unpartitioned(engine) if is_unpartitioned(engine) else describe_engine(engine)
-    view.shard_maps = shard_maps(engine) or pipeline_shard_maps(engine, ckpt.manifest)
     manifest = ckpt.manifest
     report = LoadReport()
-    trainable = {name for t in view.targets for name in t.names}
-    frozen = _frozen_params(view, trainable, load_module_extras)
-    buffers = _buffers(engine) if load_module_extras else {}
-    _compare_models(
-        view, manifest, trainable, frozen, buffers, report, load_optimizer_states, strict
-    )
+    refusal: UCFormatError | None = None
+    try:  # what the engine holds, and whether the store fits it: nothing changes yet
+        view = _describe_target(engine, manifest)
+        trainable = {name for t in view.targets for name in t.names}
+        frozen = _frozen_params(view, trainable, load_module_extras)
+        buffers = _buffers(engine) if load_module_extras else {}
+        _compare_models(
+            view, manifest, trainable, frozen, buffers, report, load_optimizer_states, strict
+        )
+        odd = plan_odd_states(view, manifest) if load_optimizer_states else []
+    except UCFormatError as exc:
+        refusal = exc
+    # a refusal on some ranks only (another stage's or expert rank's parameters) must not
+    # leave the others waiting in the read agreement below
+    settle_refusal(refusal, group().operation(), ckpt.where)
 
     tally = ReadTally()
     state_keys = (
         manifest.optimizer.state_keys if (load_optimizer_states and manifest.optimizer) else []
     )
+
+    odd_values: list[torch.Tensor] = []
 
     def read_everything() -> tuple[list[_FlatRead], dict[str, torch.Tensor], dict[str, Any]]:
         parts = _read_partitions(ckpt, view, state_keys, tally)
@@ -148,6 +158,7 @@ def load(
         tally.bytes_needed += sum(v.numel() * v.element_size() for v in buffer_values.values())
         for name, value in buffer_values.items():
             tally.note(ckpt.array_ref(name, BUFFER_STATE), 0, value.numel())
+        odd_values.extend(read_odd_states(ckpt, odd, tally))  # states not elementwise (3.1)
         return parts, frozen_values, buffer_values
 
     failure: UCFormatError | OSError | None = None
@@ -167,6 +178,9 @@ def load(
         report.restored.append("fp32 master weights")
         if state_keys:
             _restore_optimizer(view, manifest, [part.states for part in parts], report)
+        if odd:
+            write_odd_states(view, odd, odd_values)
+            report.restored.append(f"{len(odd)} optimizer states that are not elementwise")
         for name, value in frozen_values.items():
             _write_frozen(view, frozen[name], value)
         for name, value in buffer_values.items():
@@ -189,6 +203,34 @@ def load(
     return report
 
 
+def _describe_target(engine: Any, manifest: CheckpointManifest) -> EngineView:
+    """The engine's flat partitions under the store's names (a ZeRO-0 pipeline store's tied
+    parameters: :func:`ucformat.deepspeed.pipeline.tied_store_names`), with its shard maps."""
+    renames = tied_store_names(engine.module, manifest.params)
+    view = (
+        describe_unpartitioned(engine, renames)
+        if is_unpartitioned(engine)
+        else describe_engine(engine, renames)
+    )
+    view.shard_maps = shard_maps(engine) or pipeline_shard_maps(engine, manifest)
+    return view
+
+
+def settle_refusal(failure: UCFormatError | None, ranks: Group, where: str) -> None:
+    """Agree on the refusal of a load before anything is read: a rank that refused makes every
+    rank stop. When every rank refused with the same message it is raised as it is (the same
+    model everywhere); otherwise every rank raises one :class:`CollectiveError` naming them."""
+    if failure is not None and not ranks.distributed:
+        raise failure
+    error = agree(failure, ranks, where, undone=NOTHING_LOADED)
+    if error is None:
+        return
+    everyone = set(error.failures) == set(range(ranks.world_size))
+    if failure is not None and everyone and len(set(error.failures.values())) == 1:
+        raise failure
+    raise error from failure
+
+
 @dataclass
 class _FlatRead:
     """One flat partition of this rank: what is read straight into the engine, what was staged.
@@ -203,7 +245,8 @@ class _FlatRead:
     target: FlatTarget
     live: torch.Tensor
     fragments: list[Fragment]
-    with_state: list[Fragment]
+    #: Per optimizer state key: the fragments of parameters the store holds it for.
+    with_state: dict[str, list[Fragment]]
     fp32: torch.Tensor | None = None
     states: dict[str, torch.Tensor] = field(default_factory=dict)
     in_place: list[str] = field(default_factory=list)
@@ -218,7 +261,13 @@ class _FlatRead:
             self.live.data.copy_(self.fp32.to(self.live.dtype))
         for key in self.in_place:
             fill_flat_state(
-                ckpt, self.target, self.with_state, key, tally, self.states[key], keep_gaps=False
+                ckpt,
+                self.target,
+                self.with_state[key],
+                key,
+                tally,
+                self.states[key],
+                keep_gaps=False,
             )
 
 
@@ -238,7 +287,10 @@ def _read_partitions(
             rank_fragments(target, (n for n in target.names if _has(manifest, n))),
             view.shard_maps,
         )
-        with_state = [f for f in fragments if _has_states(manifest, f.name, state_keys)]
+        with_state = {  # a key some parameters lack (e.g. a vector's only): those that have it
+            key: [f for f in fragments if _has_states(manifest, f.name, [key])]
+            for key in state_keys
+        }
         part = _FlatRead(target, live, fragments, with_state)
         if not can_fill_in_place(ckpt, target, fragments, FP32_STATE, live):
             part.fp32 = read_flat_state(
@@ -246,11 +298,13 @@ def _read_partitions(
             )
         existing = _live_states(view, target.index, state_keys)
         for key in state_keys:
-            if can_fill_in_place(ckpt, target, with_state, key, existing.get(key)):
+            if not any(_has_states(manifest, n, [key]) for n in target.names):
+                continue  # no member of this flat group has it: the optimizer gets no such key
+            if can_fill_in_place(ckpt, target, with_state[key], key, existing.get(key)):
                 part.states[key] = existing[key]
                 part.in_place.append(key)
             else:
-                part.states[key] = read_flat_state(ckpt, target, with_state, key, tally)
+                part.states[key] = read_flat_state(ckpt, target, with_state[key], key, tally)
         parts.append(part)
     return parts
 
@@ -303,7 +357,7 @@ def _compare_models(
     logical = {n: m.logical_shape for n, m in (view.shard_maps or {}).items()}
     wanted = {n: list(logical.get(n, _param_shape(params[n]))) for n in trainable | set(frozen)}
     stored = {n: e.shape for n, e in manifest.params.items()}
-    not_here = other_stage_names(view.engine.module, manifest.params)
+    not_here = other_stage_names(view.engine.module, manifest.params) - set(wanted)
     not_here |= held_elsewhere(view.engine, manifest, set(wanted))  # other EP ranks' experts
     match = match_model(wanted, stored, resolve=manifest.resolve, not_here=not_here)
     report.missing, report.unexpected = match.missing, match.unexpected

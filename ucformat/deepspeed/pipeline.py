@@ -15,7 +15,7 @@ from typing import Any
 
 from ucformat.layout.pipeline import parse_pipeline_name
 
-__all__ = ["other_stage_names"]
+__all__ = ["other_stage_names", "tied_store_names"]
 
 
 def other_stage_names(module: Any, stored: Iterable[str]) -> set[str]:
@@ -42,3 +42,31 @@ def other_stage_names(module: Any, stored: Iterable[str]) -> set[str]:
         elif parsed.tied_key in all_tied and parsed.tied_key not in local_tied:
             others.add(name)
     return others
+
+
+def tied_store_names(module: Any, stored: Iterable[str]) -> dict[str, str]:
+    """``{engine name: stored name}`` for tied parameters a store keeps under a layer's name.
+
+    A ZeRO-0 pipeline checkpoint never saves a tied module's key, so its store names the tied
+    parameters after the layer of the module's first use (``"0.weight"``, :mod:`ucformat.
+    sources.deepspeed.pipeline_zero0`). A ``PipelineModule`` names them
+    ``tied_modules.<key>.<local>``: each such name the store lacks maps to
+    ``"<first index of key>.<local>"`` where the store has that. Empty for other modules.
+    """
+    specs = getattr(module, "_layer_specs", None)
+    if specs is None:
+        return {}
+    names = set(stored)
+    first: dict[str, int] = {}
+    for index, spec in enumerate(specs):
+        if type(spec).__name__ == "TiedLayerSpec":
+            first.setdefault(spec.key, index)
+    renames: dict[str, str] = {}
+    for name, _ in module.named_parameters():
+        parsed = parse_pipeline_name(name)
+        if parsed is None or parsed.tied_key not in first or name in names:
+            continue
+        layer_name = f"{first[parsed.tied_key]}.{parsed.local}"
+        if layer_name in names:
+            renames[name] = layer_name
+    return renames

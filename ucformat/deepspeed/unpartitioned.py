@@ -20,13 +20,13 @@ EP rank's experts and every dense parameter, whole.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from ucformat.deepspeed.engine import EngineView
-from ucformat.deepspeed.experts import global_names
+from ucformat.deepspeed.engine import EngineView, engine_names
 from ucformat.errors import UnsupportedCheckpointError
 from ucformat.layout.partition import PerParamLayout
 from ucformat.read.partitions import FlatTarget
@@ -68,6 +68,11 @@ class UnpartitionedView(EngineView):
                 param.data.copy_(flat[offset : offset + numel].view(param.shape))
                 offset += numel
 
+    def holds_whole_params(self) -> bool:
+        """A bare optimizer and ``FP16_UnfusedOptimizer`` step each parameter whole;
+        ``FP16_Optimizer`` steps each group's flat master."""
+        return type(self.wrapper).__name__ != "FP16_Optimizer"
+
     def scaler(self) -> Any:
         """The fp16 wrappers' loss scaling (``loss_scale_config``); None for a bare optimizer."""
         return getattr(self.wrapper, "loss_scale_config", None)
@@ -93,18 +98,18 @@ def _name(names: dict[int, str], param: torch.Tensor) -> str:
     return name
 
 
-def describe_unpartitioned(engine: Any) -> UnpartitionedView:
-    """The :class:`UnpartitionedView` of a ZeRO-0 engine (:func:`is_unpartitioned`).
+def describe_unpartitioned(
+    engine: Any, renames: Mapping[str, str] | None = None
+) -> UnpartitionedView:
+    """The :class:`UnpartitionedView` of a ZeRO-0 engine (:func:`is_unpartitioned`;
+    ``renames``: :func:`ucformat.deepspeed.engine.engine_names`).
 
     Raises:
         UnsupportedCheckpointError: a parameter of a bare optimizer is not fp32, or a
             parameter is not in ``engine.module``.
     """
     wrapper = engine.optimizer
-    if getattr(engine, "has_moe_layers", False):
-        names = global_names(engine)
-    else:
-        names = {id(p): name for name, p in engine.module.named_parameters()}
+    names = engine_names(engine, renames)
     view = UnpartitionedView(engine, wrapper, "zero0", 0, [], [], names)
     kind = type(wrapper).__name__
     if kind == "FP16_Optimizer":

@@ -95,6 +95,15 @@ def require_optimizer(manifest: CheckpointManifest, target: str) -> None:
             "converted without optimizer state); use 'export safetensors' or "
             "ucformat.torch.state_dicts for the weights."
         )
+    odd = sorted(
+        {*optimizer.whole_keys, *(k for g in optimizer.groups for k in g.partition_states)}
+    )
+    if odd:
+        raise UnsupportedExportError(
+            f"'export {target}': this store holds optimizer states that are not elementwise "
+            f"({', '.join(odd)}: format 3.1), which DeepSpeed's files cannot carry at another "
+            "layout; resume with ucformat.deepspeed.load."
+        )
     for group in optimizer.groups:
         for name in group.params:
             entry = manifest.params[name]

@@ -17,6 +17,7 @@ are kept exact with the tagged encoding of :mod:`ucformat.format.pyvalue`; such 
 from __future__ import annotations
 
 import math
+from itertools import chain
 from typing import Annotated, Literal
 
 from pydantic import (
@@ -38,7 +39,7 @@ from ucformat.format.experts import ExpertLayout
 from ucformat.format.megatron import MegatronLayout
 from ucformat.format.names import model_name
 from ucformat.format.pipeline import PipelineLayout
-from ucformat.format.spec import FORMAT_NAME, FORMAT_VERSION
+from ucformat.format.spec import FORMAT_NAME, FORMAT_VERSION, name_problem, state_array_path
 from ucformat.format.tensor_parallel import TensorParallelInfo
 
 __all__ = [
@@ -51,6 +52,7 @@ __all__ = [
     "OptimizerGroup",
     "OptimizerInfo",
     "ParamEntry",
+    "PartitionState",
     "ScalarState",
     "SourceFile",
     "SourceInfo",
@@ -124,6 +126,13 @@ class ParamEntry(ManifestModel):
     aliases: list[str] = Field(
         default_factory=list, description="Tied names that share this parameter's storage."
     )
+    whole_states: dict[str, ArrayRef] = Field(
+        default_factory=dict,
+        exclude_if=lambda value: not value,  # absent unless the optimizer keeps such states
+        description="Format 3.1: optimizer states kept whole, in their own shape (not the "
+        "parameter's: a 1-element tensor, Adafactor-style row and column factors); they do not "
+        "reshard elementwise, so only a target holding the whole parameter takes them.",
+    )
 
     @field_validator("shape")
     @classmethod
@@ -151,12 +160,42 @@ class BufferEntry(ManifestModel):
         return value
 
 
+class PartitionState(ManifestModel):
+    """An optimizer state a ZeRO-1/2 job keeps once per flat partition of a param group, in a
+    shape of its own (format 3.1): it belongs to a rank's partition, not to parameters."""
+
+    partitions: int = Field(ge=1, description="The partitions (ranks) of the source's group.")
+    shape: list[int] = Field(description="Each partition's tensor shape.")
+    replicated: bool = Field(
+        description="Whether every partition holds the same bytes (then any layout takes it)."
+    )
+    array: ArrayRef = Field(
+        description="Partition p's tensor is row p of the array: shape [partitions, *shape]."
+    )
+
+    @model_validator(mode="after")
+    def _check_array(self) -> PartitionState:
+        if self.array.shape != [self.partitions, *self.shape]:
+            raise ValueError(
+                f"partition state array shape {self.array.shape} is not "
+                f"[{self.partitions}, *{self.shape}]"
+            )
+        return self
+
+
 class OptimizerGroup(ManifestModel):
     """One optimizer param group: hyper-parameters and members in flattening order."""
 
     params: list[str]
     hyperparams: dict[str, JsonValue] = Field(
         description="Every param-group key except 'params', exact (see ucformat.format.pyvalue)."
+    )
+    partition_states: dict[str, PartitionState] = Field(
+        default_factory=dict,
+        exclude_if=lambda value: not value,  # absent unless the optimizer keeps such states
+        description="Format 3.1: states kept once per flat partition of this group (ZeRO-1/2), "
+        "not elementwise: loadable only where the target partitions the group the same way "
+        "(or, when replicated, anywhere a group is partitioned).",
     )
 
 
@@ -169,6 +208,11 @@ class OptimizerInfo(ManifestModel):
     )
     state_keys: list[str] = Field(description="Array-valued per-element state keys.")
     scalar_keys: list[str] = Field(description="0-d state keys, e.g. ['step'].")
+    whole_keys: list[str] = Field(
+        default_factory=list,
+        exclude_if=lambda value: not value,
+        description="Format 3.1: state keys kept whole per parameter (ParamEntry.whole_states).",
+    )
     groups: list[OptimizerGroup]
 
 
@@ -277,6 +321,11 @@ class SourceInfo(ManifestModel):
         return f"{what}, world size {self.world_size}, {self.train_dtype} ({how})"
 
 
+def _array_paths(entry: ParamEntry) -> list[tuple[str, str]]:
+    """(state, array path) of every array of a parameter, elementwise and whole."""
+    return [(s, ref.path) for s, ref in chain(entry.states.items(), entry.whole_states.items())]
+
+
 class CheckpointManifest(ManifestModel):
     """Root of ``ucformat.json``."""
 
@@ -323,10 +372,7 @@ class CheckpointManifest(ManifestModel):
     def _check_references(self) -> CheckpointManifest:
         _refuse(
             entry_name_problems(
-                (
-                    (fqn, ((state, ref.path) for state, ref in entry.states.items()), entry.aliases)
-                    for fqn, entry in self.params.items()
-                ),
+                ((fqn, _array_paths(entry), entry.aliases) for fqn, entry in self.params.items()),
                 ((fqn, entry.array.path) for fqn, entry in self.buffers.items()),
                 self.tied.items(),
             )
@@ -336,6 +382,10 @@ class CheckpointManifest(ManifestModel):
                 raise ValueError(f"tied alias {alias!r} points to unknown param {owner!r}")
             if alias in self.params:
                 raise ValueError(f"tied alias {alias!r} is also listed as a param")
+        for fqn, param in self.params.items():
+            both = sorted(set(param.states) & set(param.whole_states))
+            if both:
+                raise ValueError(f"param {fqn!r} state {both[0]!r} is both elementwise and whole")
         if self.optimizer is not None:
             for index, group in enumerate(self.optimizer.groups):
                 for name in group.params:
@@ -347,6 +397,7 @@ class CheckpointManifest(ManifestModel):
                             f"param {name!r} is in optimizer group {index} but records "
                             f"group {entry.group}"
                         )
+                self._check_partition_states(index, group)
         if self.tensor_parallel is not None:
             for name, split in self.tensor_parallel.params.items():
                 entry = self.params.get(name)
@@ -358,6 +409,28 @@ class CheckpointManifest(ManifestModel):
                         f"is not the param's shape {entry.shape}"
                     )
         return self
+
+    def _check_partition_states(self, index: int, group: OptimizerGroup) -> None:
+        """A group's partition states live under its first member's folder (§2), each under a
+        key the member holds no array of."""
+        if not group.partition_states:
+            return
+        if not group.params:
+            raise ValueError(f"optimizer group {index} has partition states but no params")
+        first = group.params[0]
+        entry = self.params[first]
+        for key, state in group.partition_states.items():
+            _refuse(name_problem(key, "state"))
+            if state.array.path != state_array_path(first, key):
+                raise ValueError(
+                    f"optimizer group {index} partition state {key!r} points to "
+                    f"{state.array.path!r}, not {state_array_path(first, key)!r}"
+                )
+            if key in entry.states or key in entry.whole_states:
+                raise ValueError(
+                    f"optimizer group {index} partition state {key!r} collides with an array "
+                    f"of {first!r}"
+                )
 
     def resolve(self, name: str) -> str:
         """Return the owner fqn of ``name`` (itself unless it is a tied alias).

@@ -6,6 +6,7 @@ import re
 from typing import Final
 
 __all__ = [
+    "BOX_CHUNKS_VERSION",
     "BUFFERS_PREFIX",
     "BUFFER_STATE",
     "FORMAT_NAME",
@@ -26,7 +27,9 @@ __all__ = [
 
 FORMAT_NAME: Final = "ucformat"
 #: The newest major.minor this implementation writes (docs/format.md §5). Readers accept any
-#: minor of a major they know and refuse a newer major.
+#: minor of a major they know and refuse a newer major. 3.1 adds optional members
+#: (``manifest.megatron``'s layouts; optimizer states that are not elementwise: §5.4); a store
+#: without them is written as 3.0 or 2.1.
 FORMAT_VERSION = "3.1"
 #: What a writer writes when a store has box chunks but no member 3.1 added (§5.3, §5.4).
 BOX_CHUNKS_VERSION = "3.0"

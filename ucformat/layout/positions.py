@@ -10,7 +10,8 @@ holds neither: a parameter the optimizer never stepped), and optionally a *key*:
 its fp32 master rounded to the training dtype, which must equal the digest of the candidate's
 16-bit module weight (:class:`Candidate`). Algorithm:
 
-1. each slot's candidates are the names of its shape (and key, where both have one);
+1. each slot's candidates are the names of its shape (and key, where both have one; and
+   among the names its group may hold, where that is known);
 2. a slot with one unclaimed candidate takes it; repeat until nothing changes;
 3. slots left over come in classes of identical candidate sets (same shape, same values): the
    files cannot tell them apart. They are matched in module order (the order
@@ -51,12 +52,15 @@ class Slot:
         shape: the shape of its state or master; None when it holds neither.
         key: digest of its master rounded to the training dtype; None without a master of
             another dtype (fp32 training: the module weight is the master).
+        allowed: the only names its group can hold (e.g. an MoE expert group: the experts);
+            None: any.
     """
 
     position: int
     group: int
     shape: tuple[int, ...] | None
     key: str | None = None
+    allowed: frozenset[str] | None = None
 
 
 @dataclass(frozen=True)
@@ -70,6 +74,8 @@ class Candidate:
 
 def _fits(slot: Slot, candidate: Candidate) -> bool:
     if slot.shape is not None and slot.shape != candidate.shape:
+        return False
+    if slot.allowed is not None and candidate.name not in slot.allowed:
         return False
     return slot.key is None or candidate.key is None or slot.key == candidate.key
 

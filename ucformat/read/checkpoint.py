@@ -118,11 +118,11 @@ class UniversalCheckpoint:
                 f"'{name}' is not a parameter of this checkpoint "
                 f"({len(self.manifest.params)} params; see 'ucformat inspect')."
             )
-        ref = entry.states.get(state)
+        ref = entry.states.get(state) or entry.whole_states.get(state)  # whole: format 3.1
         if ref is None and state == FP32_STATE and not entry.requires_grad:
             ref = entry.states.get(VALUE_STATE)  # a frozen parameter's value (format 2)
         if ref is None:
-            available = sorted([*entry.states, *entry.scalars])
+            available = sorted([*entry.states, *entry.whole_states, *entry.scalars])
             raise ParamNotFoundError(
                 f"parameter '{name}' has no state '{state}'; it has {', '.join(available)}."
             )
@@ -158,6 +158,14 @@ class UniversalCheckpoint:
         numel = int(np.prod(ref.shape, dtype=np.int64))
         flat = self.read_range(name, state, 0, numel) if numel else self._empty(ref, state)
         return flat.reshape(ref.shape)
+
+    def read_array(self, ref: ArrayRef) -> torch.Tensor:
+        """The whole array ``ref`` in its shape and stored dtype (e.g. an optimizer group's
+        ``partition_states``, format 3.1)."""
+        numel = math.prod(ref.shape)
+        out = prefaulted_empty(numel, numpy_storage_dtype(ref.dtype))
+        self.read_range_into(ref, 0, numel, out)
+        return storage_to_torch(out, ref.dtype).reshape(ref.shape)
 
     def _empty(self, ref: ArrayRef, state: str) -> torch.Tensor:
         dtype = torch.float32 if state == FP32_STATE else torch_dtype(ref.dtype)

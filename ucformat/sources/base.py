@@ -36,6 +36,7 @@ if TYPE_CHECKING:
 __all__ = [
     "ArraySource",
     "FragmentTensor",
+    "PartitionSource",
     "SourceCheckpoint",
     "SourceFragment",
     "SourceParam",
@@ -101,7 +102,11 @@ class ArraySource:
 
 @dataclass
 class SourceParam:
-    """A parameter of the source model with its state arrays and scalars."""
+    """A parameter of the source model with its state arrays and scalars.
+
+    ``arrays`` hold elementwise states (the parameter's shape); ``whole`` the optimizer states
+    kept whole in a shape of their own (format 3.1 ``whole_states``).
+    """
 
     shape: tuple[int, ...]
     dtype: str
@@ -109,6 +114,16 @@ class SourceParam:
     group: int | None
     arrays: dict[str, ArraySource] = field(default_factory=dict)
     scalars: dict[str, ScalarState] = field(default_factory=dict)
+    whole: dict[str, ArraySource] = field(default_factory=dict)
+
+
+@dataclass
+class PartitionSource:
+    """A state kept once per flat partition of a param group (format 3.1 ``partition_states``):
+    partition ``p``'s tensor is row ``p`` of ``array``; ``replicated`` when all rows are equal."""
+
+    array: ArraySource
+    replicated: bool
 
 
 def optimizer_steps(params: Mapping[str, SourceParam]) -> int:
@@ -142,6 +157,8 @@ class SourceCheckpoint:
     megatron: MegatronLayout | None = None
     #: How the source split parameters over tensor-parallel ranks (None: it did not).
     tensor_parallel: TensorParallelInfo | None = None
+    #: Per optimizer group, its states kept once per flat partition (ZeRO-1/2), by key.
+    partition_states: dict[int, dict[str, PartitionSource]] = field(default_factory=dict)
 
     def check_integrity(self) -> int:
         """Check every storage member read so far against its file's zip CRC-32.

@@ -60,7 +60,8 @@ class ManifestArray:
 
 
 def manifest_arrays(manifest: CheckpointManifest) -> list[ManifestArray]:
-    """Every array of ``manifest``: parameter states in manifest order, then buffers."""
+    """Every array of ``manifest``: parameter states in manifest order (elementwise, then
+    whole), optimizer groups' partition states, then buffers."""
     arrays = [
         ManifestArray(
             f"param '{name}' state '{state}'",
@@ -70,6 +71,27 @@ def manifest_arrays(manifest: CheckpointManifest) -> list[ManifestArray]:
         )
         for name, entry in manifest.params.items()
         for state, ref in entry.states.items()
+    ]
+    arrays += [  # format 3.1: states kept whole, in their own shape
+        ManifestArray(
+            f"param '{name}' whole state '{state}'",
+            state_array_path(name, state),
+            tuple(ref.shape),
+            ref,
+        )
+        for name, entry in manifest.params.items()
+        for state, ref in entry.whole_states.items()
+    ]
+    groups = manifest.optimizer.groups if manifest.optimizer is not None else []
+    arrays += [  # format 3.1: states kept once per partition, one row per partition
+        ManifestArray(
+            f"optimizer group {index} partition state '{key}'",
+            state_array_path(group.params[0], key),
+            (state.partitions, *state.shape),
+            state.array,
+        )
+        for index, group in enumerate(groups)
+        for key, state in group.partition_states.items()
     ]
     arrays += [
         ManifestArray(f"buffer '{name}'", buffer_array_path(name), tuple(entry.shape), entry.array)

@@ -27,7 +27,13 @@ from ucformat._version import __version__
 from ucformat.errors import InvalidNameError
 from ucformat.format.dtypes import itemsize
 from ucformat.format.megatron import MegatronLayout
-from ucformat.format.models import ArrayRef, BufferEntry, CheckpointManifest, ParamEntry
+from ucformat.format.models import (
+    ArrayRef,
+    BufferEntry,
+    CheckpointManifest,
+    ParamEntry,
+    PartitionState,
+)
 from ucformat.format.spec import (
     BOX_CHUNKS_VERSION,
     FLAT_CHUNKS_VERSION,
@@ -64,16 +70,18 @@ def layout_version(
     arrays: list[ArrayRef],
     tensor_parallel: TensorParallelInfo | None = None,
     megatron: MegatronLayout | None = None,
+    non_elementwise: bool = False,
 ) -> str:
     """The lowest format version whose rules the store satisfies (docs/format.md §5.3, §5.4).
 
     Format 3.0 adds to 2.1 only box chunks and the ``tensor_parallel.framework`` value
     ``deepspeed-patterns``: a store with neither is written as 2.1, so readers of format 2
     still read it; either makes it 3.0, which they refuse instead of misreading. Format 3.1
-    adds optional members (``manifest.megatron``'s layout of pipeline, expert and optimizer):
-    a store that has them is 3.1.
+    adds optional members (``manifest.megatron``'s layout of pipeline, expert and optimizer;
+    optimizer states that are not elementwise, ``non_elementwise``): a store that has them is
+    3.1.
     """
-    if megatron is not None and megatron.has_minor_3_1_members():
+    if non_elementwise or (megatron is not None and megatron.has_minor_3_1_members()):
         return FORMAT_VERSION
     flat = all(
         prod(ref.shape) == 0 or is_flat_chunking(ref.shape, ref.chunk_shape) for ref in arrays
@@ -174,6 +182,10 @@ def plan_convert(source: SourceCheckpoint, options: ConvertOptions) -> ConvertPl
             state: add(state_array_path(name, state), array, f"param '{name}' state '{state}'")
             for state, array in _format_states(param.arrays, legacy).items()
         }
+        whole = {
+            key: add(state_array_path(name, key), array, f"param '{name}' whole state '{key}'")
+            for key, array in param.whole.items()
+        }
         params[name] = ParamEntry(
             shape=list(param.shape),
             dtype=param.dtype,  # type: ignore[arg-type]
@@ -182,6 +194,7 @@ def plan_convert(source: SourceCheckpoint, options: ConvertOptions) -> ConvertPl
             states=states,
             scalars=param.scalars,
             aliases=aliases.get(name, []),
+            whole_states=whole,
         )
     for name in source.buffers:
         _check_name(name, "buffer")
@@ -194,15 +207,32 @@ def plan_convert(source: SourceCheckpoint, options: ConvertOptions) -> ConvertPl
         for name, array in source.buffers.items()
     }
     tied = {alias: owner for alias, owner in source.tied.items() if owner in params}
+    optimizer = source.optimizer
+    if optimizer is not None and source.partition_states:  # under each group's first member
+        groups = list(optimizer.groups)
+        for g, held in sorted(source.partition_states.items()):
+            first = groups[g].params[0]
+            refs = {
+                key: PartitionState(
+                    partitions=part.array.shape[0],
+                    shape=list(part.array.shape[1:]),
+                    replicated=part.replicated,
+                    array=add(state_array_path(first, key), part.array, f"group {g} '{key}'"),
+                )
+                for key, part in held.items()
+            }
+            groups[g] = groups[g].model_copy(update={"partition_states": refs})
+        optimizer = optimizer.model_copy(update={"groups": groups})
+    odd = bool(source.partition_states) or any(p.whole for p in source.params.values())
     manifest = CheckpointManifest(
         format_version=options.format_version
-        or layout_version(arrays, source.tensor_parallel, source.megatron),
+        or layout_version(arrays, source.tensor_parallel, source.megatron, odd),
         created_by=f"ucformat {__version__}",
         source=source.source,
         params=params,
         tied=tied,
         buffers=buffers,
-        optimizer=source.optimizer,
+        optimizer=optimizer,
         progress=source.progress,
         client_state=source.client_state,
         megatron=source.megatron,

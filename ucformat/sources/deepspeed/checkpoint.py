@@ -12,11 +12,14 @@ from math import prod
 from pathlib import Path
 from typing import Any, cast
 
+import numpy as np
+
 from ucformat.errors import (
     LayoutMismatchError,
     NotACheckpointError,
     UnsupportedCheckpointError,
 )
+from ucformat.format.dtypes import numpy_storage_dtype
 from ucformat.format.experts import ExpertLayout
 from ucformat.format.models import (
     ClientState,
@@ -33,6 +36,7 @@ from ucformat.format.training_values import encode_client_state, encode_exact
 from ucformat.layout.partition import PerParamLayout
 from ucformat.sources.base import (
     ArraySource,
+    PartitionSource,
     SourceCheckpoint,
     SourceFragment,
     SourceParam,
@@ -47,7 +51,9 @@ from ucformat.sources.deepspeed.files import (
     tensor_parallel_degree,
 )
 from ucformat.sources.deepspeed.positional import (
+    PositionalOptimizer,
     decode_positional,
+    loss_scale_config,
     module_weights,
     read_positional,
 )
@@ -146,22 +152,18 @@ def _describe(
     meta = _model_meta(models[0])
     world_size = files.world_size
     experts: ExpertLayout | None = None
+    positional = None
     if files.experts is not None:  # native MoE: sources/deepspeed/experts.py
         if files.per_rank_model_files:
             raise UnsupportedCheckpointError(
                 f"{files.folder}: a ZeRO-3 MoE checkpoint; ucformat reads MoE checkpoints at "
                 "ZeRO-0/1/2 only."
             )
-        if (
-            files.optim_files == files.experts.expp_optim
-            and _train_dtype(meta.get("ds_config")) != "float32"
-        ):
-            raise UnsupportedCheckpointError(
-                f"{files.folder}: a ZeRO-0 MoE checkpoint trained in "
-                f"{_train_dtype(meta.get('ds_config'))}; ucformat reads ZeRO-0 MoE in fp32 only."
-            )
-        moe = read_moe_states(meta, models[0], optim, files.experts, opener)
+        moe = read_moe_states(
+            meta, models[0], optim, files.experts, opener, _train_dtype(meta.get("ds_config"))
+        )
         stage, flat, world_size, experts = moe.stage, moe.flat, moe.world_size, moe.layout
+        positional = moe.positional
     elif not files.optim_files:  # ZeRO-0: the optimizer by position (.positional)
         if other_tp_ranks:
             raise UnsupportedCheckpointError(
@@ -199,6 +201,9 @@ def _describe(
     params = dict(sorted(params.items(), key=lambda kv: order.get(kv[0], len(order))))
     buffers = {name: _whole(module[name], models[0], name) for name in buffer_names}
     optimizer_state = optim[0].obj.get("optimizer_state_dict") or {}  # none at ZeRO-0
+    progress = _progress(meta, optimizer_state)
+    if positional is not None and positional.loss_scale:  # ZeRO-0 MoE in fp16
+        progress = _with_loss_scale(progress, positional)
     source = SourceInfo(
         framework_version=str(meta.get("ds_version", "unknown")),
         path=str(files.folder.resolve()),
@@ -217,11 +222,12 @@ def _describe(
         buffers=buffers,
         tied=tied,
         optimizer=_optimizer_info(flat, meta.get("ds_config")),
-        progress=_progress(meta, optimizer_state),
+        progress=progress,
         client_state=_client_state(meta),
         files=handles,
         tensor_parallel=tensor_parallel,
         experts=experts,
+        partition_states=partition_sources(flat),
     )
 
 
@@ -260,13 +266,7 @@ def _describe_zero0(
     )
     progress = _progress(meta, {})
     if opt.loss_scale:
-        progress = progress.model_copy(
-            update={
-                "loss_scaler": loss_scale_config(opt.loss_scale),
-                "dynamic_loss_scale": bool(opt.loss_scale.get("dynamic_loss_scale", False)),
-                "clip_grad": opt.clip_grad,
-            }
-        )
+        progress = _with_loss_scale(progress, opt)
     return SourceCheckpoint(
         source=source,
         params=params,
@@ -279,15 +279,14 @@ def _describe_zero0(
     )
 
 
-def loss_scale_config(entries: Mapping[str, Any]) -> LossScaler:
-    """The manifest's loss scaler from an fp16 wrapper's loss-scale entries (ZeRO-0:
-    ``LossScaleConfig``'s attributes, saved flat in its ``state_dict()``)."""
-    attributes = {str(k): encode_exact(v, "loss_scaler") for k, v in entries.items()}
-    return LossScaler(
-        class_name="LossScaleConfig",
-        dynamic=bool(entries.get("dynamic_loss_scale", False)),
-        cur_scale=float(entries.get("cur_scale", 1.0)),
-        attributes=attributes,
+def _with_loss_scale(progress: TrainingProgress, opt: PositionalOptimizer) -> TrainingProgress:
+    """``progress`` with a ZeRO-0 fp16 wrapper's loss scale and gradient clipping."""
+    return progress.model_copy(
+        update={
+            "loss_scaler": loss_scale_config(opt.loss_scale),
+            "dynamic_loss_scale": bool(opt.loss_scale.get("dynamic_loss_scale", False)),
+            "clip_grad": opt.clip_grad,
+        }
     )
 
 
@@ -340,6 +339,7 @@ def _trainable_params(
             group=group,
             arrays=arrays,
             scalars=flat.scalars.get(name, {}),
+            whole=flat.whole.get(name, {}),
         )
     return params
 
@@ -414,10 +414,50 @@ def _optimizer_info(flat: FlatStates, ds_config: Any) -> OptimizerInfo:
         groups.append(OptimizerGroup(params=members.get(index, []), hyperparams=hyper))
     state_keys = sorted({k for a in flat.arrays.values() for k in a if k != FP32_STATE})
     scalar_keys = sorted({k for s in flat.scalars.values() for k in s})
+    whole_keys = sorted({k for w in flat.whole.values() for k in w})
+    clash = sorted(set(state_keys) & set(whole_keys))
+    if clash:
+        raise UnsupportedCheckpointError(
+            f"optimizer state '{clash[0]}' has the parameter's shape for some parameters and "
+            "another for others; ucformat keeps a state key either elementwise or whole."
+        )
     name, adam_w = _optimizer_name(ds_config, flat.param_groups[0] if flat.param_groups else {})
     return OptimizerInfo(
-        name=name, adam_w_mode=adam_w, state_keys=state_keys, scalar_keys=scalar_keys, groups=groups
+        name=name,
+        adam_w_mode=adam_w,
+        state_keys=state_keys,
+        scalar_keys=scalar_keys,
+        groups=groups,
+        whole_keys=whole_keys,
     )
+
+
+def partition_sources(flat: FlatStates) -> dict[int, dict[str, PartitionSource]]:
+    """Each group's states kept once per partition, stacked one row per rank, and whether all
+    rows are equal (read now: such states are small)."""
+    out: dict[int, dict[str, PartitionSource]] = {}
+    for g, held in sorted(flat.partition.items()):
+        for key, tensors in held.items():
+            first = tensors[0]
+            if any(t.shape != first.shape or t.dtype_name != first.dtype_name for t in tensors):
+                raise UnsupportedCheckpointError(
+                    f"{first.file.path}: optimizer state '{key}' of group {g} has different "
+                    "shapes or dtypes on different ranks; ucformat keeps a per-partition state "
+                    "of one shape."
+                )
+            array = ArraySource((len(tensors), *first.shape), first.dtype_name)
+            values = []
+            for rank, tensor in enumerate(tensors):
+                if tensor.numel:
+                    array.fragments.append(
+                        SourceFragment(tensor, 0, rank * tensor.numel, tensor.numel)
+                    )
+                out_values = np.empty(tensor.numel, numpy_storage_dtype(tensor.dtype_name))
+                tensor.read_into(out_values, 0, tensor.numel)
+                values.append(out_values.tobytes())
+            replicated = len(set(values)) == 1
+            out.setdefault(g, {})[key] = PartitionSource(array, replicated)
+    return out
 
 
 def _optimizer_name(ds_config: Any, group: Mapping[str, Any]) -> tuple[str, bool | None]:

@@ -6,8 +6,9 @@ What DeepSpeed 0.19.8 writes (``DeepSpeedEngine._save_moe_checkpoint``), per tag
   expert id ``E``, holding that expert's parameters under their global names;
 * ``mp_rank_00_model_states.pt``: the dense (non-expert) module, ``param_shapes`` (ZeRO), and
   ``num_experts`` (per layer);
-* ZeRO-0: ``expp_rank_{e}_mp_rank_00_optim_states.pt``, the whole torch optimizer state of EP rank
-  ``e`` (dense params + its local experts), parameters numbered, not named;
+* ZeRO-0: ``expp_rank_{e}_mp_rank_00_optim_states.pt``, the whole optimizer state of EP rank
+  ``e`` (dense params + its local experts) by position (a bare torch optimizer in fp32, an fp16
+  wrapper with its masters in fp16), parameters numbered, not named;
 * ZeRO-1/2: ``zero_pp_rank_{r}_mp_rank_00_optim_states.pt`` per rank: the dense groups partitioned
   over all ``W`` ranks, the expert group (``'moe': True``) over the rank's ``W / ep``
   expert-data-parallel ranks, with the experts under their *local* names (``param_shapes`` lists
@@ -16,7 +17,8 @@ What DeepSpeed 0.19.8 writes (``DeepSpeedEngine._save_moe_checkpoint``), per tag
 Each EP rank's local experts are mapped to their global ids by :mod:`ucformat.layout.experts`; every
 expert parameter becomes one stored parameter under its global name. ZeRO-0 parameter numbers are
 matched to names in module order (the order ``split_params_into_different_moe_groups_for_optimizer``
-keeps), and every state's shape is checked against its parameter's.
+keeps); :mod:`.positional` names and proves them (the expert group among the EP rank's experts,
+the others among the dense parameters).
 """
 
 from __future__ import annotations
@@ -30,11 +32,16 @@ from typing import Any
 
 from ucformat.errors import LayoutMismatchError, NotACheckpointError, UnsupportedCheckpointError
 from ucformat.format.experts import ExpertLayer, ExpertLayout
-from ucformat.format.models import ScalarState
 from ucformat.format.spec import FP32_STATE
 from ucformat.layout.experts import ExpertRanks, expert_id
 from ucformat.layout.partition import PartitionedFlatLayout
-from ucformat.sources.base import ArraySource, SourceFragment, scalar_state, split_state
+from ucformat.sources.base import ArraySource, SourceFragment, split_state
+from ucformat.sources.deepspeed.positional import (
+    PositionalOptimizer,
+    decode_positional,
+    module_weights,
+    read_positional,
+)
 from ucformat.sources.deepspeed.states import FlatStates, read_zero12_states
 from ucformat.sources.torchfile import TensorRef, TorchFile
 
@@ -133,6 +140,8 @@ class MoeStates:
     layout: ExpertLayout
     #: Handles of the expert files (for the source's file list).
     handles: list[TorchFile] = field(default_factory=list)
+    #: ZeRO-0: EP rank 0's positional optimizer (its fp16 wrapper's loss scale, clipping).
+    positional: PositionalOptimizer | None = None
 
 
 def read_moe_states(
@@ -141,6 +150,7 @@ def read_moe_states(
     optim: Sequence[TorchFile],
     files: ExpertFiles,
     open_file: Callable[[Path], TorchFile],
+    train_dtype: str = "float32",
 ) -> MoeStates:
     """Describe every trainable array of an MoE checkpoint: dense and experts, global names."""
     if meta.get("ds_autoep_layers"):
@@ -160,8 +170,8 @@ def read_moe_states(
         ep_size = len(files.expp_optim)
         group = _expert_group_name_zero0(optim[0])
         layout = _layout(layers, ep_size, group, data_before, world_size, model)
-        flat = _zero0_states(meta, optim, experts, layout, world_size)
-        return MoeStates(0, world_size, flat, layout, handles)
+        flat, opt = _zero0_states(meta, optim, experts, layout, world_size, train_dtype)
+        return MoeStates(0, world_size, flat, layout, handles, opt)
     if len(optim) != world_size:
         raise LayoutMismatchError(
             f"{model.path}: dp_world_size is {world_size} but the folder has {len(optim)} "
@@ -238,7 +248,7 @@ def _layout(
 
 
 def _expert_group_name_zero0(first: TorchFile) -> str | None:
-    groups = first.obj["optimizer"]["param_groups"]
+    groups = decode_positional(first.obj.get("optimizer"), first).inner["param_groups"]
     names = [str(g["name"]) for g in groups if g.get("moe")]
     if len(names) > 1:
         raise UnsupportedCheckpointError(
@@ -248,94 +258,61 @@ def _expert_group_name_zero0(first: TorchFile) -> str | None:
     return names[0] if names else None
 
 
-def _whole(tensor: Any, shape: tuple[int, ...], where: str) -> ArraySource:
-    if not isinstance(tensor, TensorRef) or tensor.shape != shape:
-        found = getattr(tensor, "shape", type(tensor).__name__)
-        raise LayoutMismatchError(f"{where}: expected a tensor of shape {shape}, found {found}.")
-    array = ArraySource(shape, tensor.dtype_name)
-    if tensor.numel:
-        array.fragments.append(SourceFragment(tensor, 0, 0, tensor.numel))
-    return array
-
-
 def _zero0_states(
     meta: Mapping[str, Any],
     optim: Sequence[TorchFile],
     experts: Mapping[int, Mapping[int, TorchFile]],
     layout: ExpertLayout,
     world_size: int,
-) -> FlatStates:
-    """ZeRO-0: whole tensors; dense params from EP rank 0's file, experts from their EP rank's."""
-    states = FlatStates(wrapper="none")
+    train_dtype: str,
+) -> tuple[FlatStates, PositionalOptimizer]:
+    """ZeRO-0: each EP rank's optimizer by position (:mod:`.positional`), its expert groups
+    (``'moe': True``) among its own experts (global names, 16-bit weights from the expert
+    files), its other groups among the dense parameters; dense states from EP rank 0."""
     module: Mapping[str, Any] = meta["module"]
-    buffers = set(meta.get("buffer_names") or [])
-    dense = [n for n, v in module.items() if n not in buffers and isinstance(v, TensorRef)]
-    states.param_groups = [
-        dict(g) for g in optim[0].obj["optimizer"]["param_groups"]
-    ]  # hyper-parameters of EP rank 0
+    dense, _ = module_weights(module, [str(n) for n in meta.get("buffer_names") or []])
     ranks = ExpertRanks(world_size, layout.ep_size, layout.layers[0].num_experts)
+    states = FlatStates(wrapper="none")
+    first: PositionalOptimizer | None = None
     for ep, handle in enumerate(optim):
         osd = handle.obj.get("optimizer") if isinstance(handle.obj, Mapping) else None
-        if not isinstance(osd, Mapping) or "param_groups" not in osd:
-            raise NotACheckpointError(
-                f"{handle.path}: missing key 'optimizer'; not a DeepSpeed MoE optimizer file."
+        opt = decode_positional(osd, handle)
+        first = first or opt
+        own: dict[str, TensorRef] = {}
+        for layer in layout.layers:
+            for local in range(ranks.num_local):
+                gid = ranks.global_id(ep, local)
+                for param in layer.params:
+                    name = f"{layer.prefix}.{gid}.{param}"
+                    value = experts[layer.layer][gid].obj[name]
+                    if not isinstance(value, TensorRef):
+                        raise LayoutMismatchError(f"{handle.path}: '{name}' is not a tensor.")
+                    own[name] = value
+        expert_names, dense_names = frozenset(own), frozenset(dense)
+
+        def group_names(group: Mapping[str, Any]) -> frozenset[str]:
+            return expert_names if group.get("moe") else dense_names  # noqa: B023
+
+        read = read_positional(opt, {**dense, **own}, train_dtype, handle, group_names)
+        missing = sorted(set(own) & set(read.unplaced))
+        if missing:
+            raise UnsupportedCheckpointError(
+                f"{handle.path}: expert parameter(s) {_listed(missing)} are in no optimizer "
+                "group; ucformat reads MoE checkpoints whose experts are all trained."
             )
-        for g, group in enumerate(osd["param_groups"]):
-            if group.get("moe"):
-                named = [
-                    (f"{layer.prefix}.{ranks.global_id(ep, local)}.{p}", layer.layer)
-                    for layer in layout.layers
-                    for local in range(ranks.num_local)
-                    for p in layer.params
-                ]
-                pairs = [(n, experts[layer][_gid(n)].obj[n]) for n, layer in named]
-            elif ep == 0:
-                pairs = [(n, module[n]) for n in dense]
-            else:
-                continue
-            _zero0_group(states, g, group, pairs, osd["state"], handle)
+        if ep == 0:
+            states.wrapper = read.flat.wrapper
+            states.param_groups = read.flat.param_groups
+        for name, group in read.flat.groups.items():
+            if ep == 0 or name in own:
+                states.groups[name] = group
+                states.arrays[name] = read.flat.arrays[name]
+                states.scalars[name] = read.flat.scalars[name]
+                if name in read.flat.whole:
+                    states.whole[name] = read.flat.whole[name]
     _order_groups(states, layout.layers)
-    return states
-
-
-def _gid(name: str) -> int:
-    """The expert id of an expert parameter name (built by this module: always one)."""
-    parts = expert_id(name)
-    return parts[1] if parts is not None else -1
-
-
-def _zero0_group(
-    states: FlatStates,
-    g: int,
-    group: Mapping[str, Any],
-    pairs: Sequence[tuple[str, Any]],
-    state: Mapping[int, Any],
-    handle: TorchFile,
-) -> None:
-    indices = list(group["params"])
-    if len(indices) != len(pairs):
-        raise LayoutMismatchError(
-            f"{handle.path}: optimizer group {g} has {len(indices)} parameters but the model files "
-            f"name {len(pairs)}; frozen parameters at ZeRO-0 are not supported."
-        )
-    for index, (name, value) in zip(indices, pairs, strict=True):
-        if not isinstance(value, TensorRef):
-            raise LayoutMismatchError(f"{handle.path}: '{name}' is not a tensor.")
-        shape = value.shape
-        arrays = {FP32_STATE: _whole(value, shape, f"{handle.path}: '{name}'")}
-        scalars: dict[str, ScalarState] = {}
-        for key, item in (state.get(index) or {}).items():
-            where = f"{handle.path}: state '{key}' of parameter {index} ('{name}')"
-            if isinstance(item, TensorRef) and item.shape:
-                arrays[str(key)] = _whole(item, shape, where)
-            else:
-                try:
-                    scalars[str(key)] = scalar_state(item, where)
-                except TypeError as exc:
-                    raise LayoutMismatchError(str(exc)) from None
-        states.groups[name] = g
-        states.arrays[name] = arrays
-        states.scalars[name] = scalars
+    assert first is not None  # at least one expp_rank file (find_expert_files)
+    return states, first
 
 
 def _zero12_states(

@@ -37,7 +37,7 @@ from ucformat.errors import (
     UnsupportedCheckpointError,
 )
 from ucformat.format.dtypes import numpy_storage_dtype
-from ucformat.format.models import SourceFile, SourceInfo
+from ucformat.format.models import SourceFile, SourceInfo, TrainingProgress
 from ucformat.format.pipeline import PipelineLayout, PipelineStage
 from ucformat.format.tensor_parallel import TensorParallelInfo
 from ucformat.layout.pipeline import TIED_PREFIX, parse_pipeline_name, stage_owners
@@ -58,6 +58,7 @@ from ucformat.sources.deepspeed.pipeline_files import (
     LAYER_FILE,
     LAYER_TP_FILE,
     MODEL_FILE,
+    OPTIM_FILE,
     optimizer_shards,
 )
 from ucformat.sources.deepspeed.pipeline_tp import (
@@ -65,7 +66,7 @@ from ucformat.sources.deepspeed.pipeline_tp import (
     has_tp_layer_files,
     merge_pipeline_tp,
 )
-from ucformat.sources.deepspeed.pipeline_zero0 import refuse_fp16_zero0
+from ucformat.sources.deepspeed.pipeline_zero0 import read_zero0_stages
 from ucformat.sources.deepspeed.states import FlatStates, read_zero12_states
 from ucformat.sources.reading import describing
 from ucformat.sources.safe_unpickle import PicklePolicy
@@ -89,7 +90,8 @@ class PipelineFiles:
 
     @property
     def data_parallel(self) -> int:
-        """Data-parallel replicas per stage."""
+        """Data-parallel replicas per stage, as the optimizer shards show (0 at ZeRO-0: the
+        model states' ``dp_world_size`` says)."""
         return len(self.optim_files[0])
 
 
@@ -105,9 +107,11 @@ def is_pipeline_folder(src: Path, tag: str | None = None) -> bool:
 def find_pipeline_files(folder: Path, tag: str) -> PipelineFiles:
     """List and check the files of a pipeline tag folder (names only; nothing is opened).
 
+    ZeRO-0 (no optimizer shards: each stage keeps its optimizer whole in its model states) gives
+    ``optim_files`` of no shard per stage.
+
     Raises:
-        UnsupportedCheckpointError: tensor-parallel layer files, or no optimizer shards
-            (ZeRO-0 in fp32 keeps the optimizer whole in the model-states files).
+        UnsupportedCheckpointError: tensor-parallel layer files.
         SourceNotFoundError: a stage's or a rank's file is missing.
         LayoutMismatchError: files from different runs are mixed.
     """
@@ -132,19 +136,25 @@ def find_pipeline_files(folder: Path, tag: str) -> PipelineFiles:
                 f"{folder / f'mp_rank_{stage:02d}_model_states.pt'}: missing; the folder has "
                 f"model states up to pipeline stage {stages - 1}."
             )
+    layers = {int(m["layer"]): folder / n for n in names if (m := LAYER_FILE.match(n))}
+    if not any(OPTIM_FILE.match(n) for n in names):  # ZeRO-0: by position (.pipeline_zero0)
+        return PipelineFiles(
+            folder=folder,
+            tag=tag,
+            model_files=tuple(folder / models[s] for s in range(stages)),
+            optim_files=tuple(() for _ in range(stages)),
+            layer_files=layers,
+        )
     optim, dp = optimizer_shards(
         folder,
         names,
         stages,
-        none_found="pipeline checkpoint without *_optim_states.pt shards (ZeRO-0 in fp32: "
-        "each stage's optimizer state is saved by position, without parameter names or "
-        "param_shapes); ucformat reads pipeline checkpoints trained with ZeRO-1 or bf16.",
+        none_found="pipeline checkpoint without *_optim_states.pt shards.",
         layout=lambda dp: (
             f"a pipeline of {stages} stages x {dp} data-parallel ranks has one "
             "optimizer shard per stage and rank."
         ),
     )
-    layers = {int(m["layer"]): folder / n for n in names if (m := LAYER_FILE.match(n))}
     return PipelineFiles(
         folder=folder,
         tag=tag,
@@ -168,13 +178,13 @@ def read_pipeline_checkpoint(
     Raises:
         LayoutMismatchError: a tied param differs between the stages that hold it (the message
             names it), or the stages disagree (steps, optimizer groups, layout).
-        UnsupportedCheckpointError: ZeRO-0 in fp16 (:func:`.pipeline_zero0.refuse_fp16_zero0`).
+        UnsupportedCheckpointError: ZeRO-0 stages whose positions the files leave ambiguous
+            (:mod:`.pipeline_zero0`).
         UCFormatError: as :func:`find_pipeline_files`, or damaged files.
     """
     folder, tag_name = locate_tag_folder(Path(src), tag)
     if has_tp_layer_files(folder):  # layer_XX-model_YY: tensor parallel (.pipeline_tp)
         return _read_tensor_parallel(folder, tag_name, policy, check_crc)
-    refuse_fp16_zero0(folder, policy, check_crc=check_crc)
     files = find_pipeline_files(folder, tag_name)
     opened = OpenedFiles(policy, check_crc=check_crc)
     with describing(folder, "the pipeline files", "a supported DeepSpeed", opened.close):
@@ -203,16 +213,18 @@ def _read_tensor_parallel(
             optim_files=tuple(stage[0] for stage in tp_files.optim_files),
             layer_files={},
         )
-        first = [stage[0] for stage in optim]
         return _assemble(
-            files, [m[0] for m in metas], flats, first, {}, opened.handles, tensor_parallel
-        )
+            files, [m[0] for m in metas], flats, [stage[0][0] for stage in optim], {},
+            opened.handles, zero_stage=_zero_stage(optim[0][0][0], False),
+            progress=_progress(metas[0][0], optim[0][0][0].obj["optimizer_state_dict"]),
+            dp=files.data_parallel, tensor_parallel=tensor_parallel,
+        )  # fmt: skip
 
 
 def _check_stage_meta(
     files: PipelineFiles, metas: Sequence[Mapping[str, Any]], models: Sequence[TorchFile]
 ) -> None:
-    stages, dp = len(metas), files.data_parallel
+    stages, dp = len(metas), files.data_parallel or int(metas[0]["dp_world_size"])
     for meta, handle in zip(metas, models, strict=True):
         dims = meta.get("checkpoint_parallel_dimensions") or {}
         if int(dims.get("tp_degree", 1)) != 1:
@@ -248,26 +260,49 @@ def _describe(
     metas = [_model_meta(handle) for handle in models]
     _check_stage_meta(files, metas, models)
     dp = files.data_parallel
+    if not dp:  # ZeRO-0: each stage's optimizer by position in its model states
+        train_dtype = _train_dtype(metas[0].get("ds_config"))
+        stages = read_zero0_stages(metas, models, layers, train_dtype)
+        progress = _progress(metas[0], {})
+        if stages.loss_scaler is not None:
+            progress = progress.model_copy(
+                update={
+                    "loss_scaler": stages.loss_scaler,
+                    "dynamic_loss_scale": stages.loss_scaler.dynamic,
+                    "clip_grad": stages.clip_grad,
+                }
+            )
+        return _assemble(
+            files, metas, stages.flats, models, layers, handles,
+            zero_stage=0, progress=progress, dp=int(metas[0]["dp_world_size"]),
+        )  # fmt: skip
     flats = [
         read_zero12_states(_with_param_shapes(meta, shards, layers), shards, dp)
         for meta, shards in zip(metas, optim, strict=True)
     ]
-    return _assemble(files, metas, flats, optim, layers, handles)
+    return _assemble(
+        files, metas, flats, [shards[0] for shards in optim], layers, handles,
+        zero_stage=_zero_stage(optim[0][0], False),
+        progress=_progress(metas[0], optim[0][0].obj["optimizer_state_dict"]), dp=dp,
+    )  # fmt: skip
 
 
 def _assemble(
     files: PipelineFiles,
     metas: Sequence[Mapping[str, Any]],
     flats: Sequence[FlatStates],
-    optim: Sequence[Sequence[TorchFile]],
+    first_files: Sequence[TorchFile],
     layers: dict[int, TorchFile],
     handles: list[TorchFile],
+    *,
+    zero_stage: int,
+    progress: TrainingProgress,
+    dp: int,
     tensor_parallel: TensorParallelInfo | None = None,
 ) -> SourceCheckpoint:
-    """The source of the stages' ``flats`` (``optim[s]``: stage ``s``'s shards, replica order)."""
-    dp = files.data_parallel
-    zero_stage = _zero_stage(optim[0][0], False)
-    merged = _merge_stages(flats, [shards[0] for shards in optim])
+    """The source of the stages' ``flats`` (``first_files[s]``: the file that holds stage
+    ``s``'s optimizer state, named in messages)."""
+    merged = _merge_stages(flats, first_files, layer_ties=zero_stage == 0)
     train_dtype = _train_dtype(metas[0].get("ds_config"))
     params = _trainable_params(merged, {}, train_dtype)
     buffer_names = [str(n) for meta in metas for n in meta.get("buffer_names") or []]
@@ -304,7 +339,7 @@ def _assemble(
         buffers={name: buffers[name] for name in sorted(buffers, key=_order)},
         tied=tied,
         optimizer=_optimizer_info(merged, metas[0].get("ds_config")),
-        progress=_progress(metas[0], optim[0][0].obj["optimizer_state_dict"]),
+        progress=progress,
         client_state=_client_state(metas[0]),
         files=handles,
         tensor_parallel=tensor_parallel,
@@ -319,12 +354,22 @@ def _order(name: str) -> tuple[int, int, str]:
     return (1, parsed.layer, "")
 
 
-def _merge_stages(flats: Sequence[FlatStates], first_shards: Sequence[TorchFile]) -> FlatStates:
-    """Unite the stages' params by name; a name on two stages must be a tied module's, equal."""
+def _merge_stages(
+    flats: Sequence[FlatStates], first_shards: Sequence[TorchFile], *, layer_ties: bool = False
+) -> FlatStates:
+    """Unite the stages' params by name; a name on two stages must be a tied module's, equal
+    (``layer_ties``, ZeRO-0: a tied module is named by the layer of its first use)."""
     merged = FlatStates(wrapper=flats[0].wrapper, param_groups=flats[0].param_groups)
     holder: dict[str, int] = {}
     for stage, flat in enumerate(flats):
         shard = first_shards[stage]
+        if flat.partition:
+            raise UnsupportedCheckpointError(
+                f"{shard.path}: optimizer states kept once per partition "
+                f"({sorted({k for held in flat.partition.values() for k in held})}) in a "
+                "pipeline stage; ucformat keeps such states for data-parallel ZeRO-1/2 only."
+            )
+        merged.whole.update(flat.whole)
         if flat.wrapper != merged.wrapper:
             raise LayoutMismatchError(
                 f"{shard.path}: written by {flat.wrapper}, stage 0 by {merged.wrapper}; files "
@@ -339,7 +384,7 @@ def _merge_stages(flats: Sequence[FlatStates], first_shards: Sequence[TorchFile]
                 merged.scalars[name] = flat.scalars.get(name, {})
                 continue
             parsed = parse_pipeline_name(name)
-            if parsed is None or parsed.tied_key is None:
+            if parsed is None or (parsed.tied_key is None and not layer_ties):
                 raise LayoutMismatchError(
                     f"{shard.path}: param '{name}' is trained on pipeline stages "
                     f"{holder[name]} and {stage} but is not a tied module's; files from "

@@ -11,9 +11,12 @@ The files of a tag folder of a ``PipelineModule`` at ``pp`` stages x ``tp`` mode
 * ``layer_{i:02d}-model_{t:02d}-model_states.pt`` per layer and model rank (training-dtype
   weights; not needed: every parameter is trainable, buffers and frozen params are refused).
 
-The files do not say along which dimension each tensor is split. A training script that
-records DeepSpeed's ``universal_checkpoint_info`` (Megatron-DeepSpeed does, as
-``client_state``) lists it by name patterns: ``tp_replicated_parameter_patterns`` (whole on
+The files do not say along which dimension each tensor is split. Without hints, a parameter
+whose copies on the stage's model ranks are byte-identical (every fp32 master, optimizer state
+and scalar: plain layers, copied on every model rank) is replicated; any other is refused in
+one line naming it (it is split along a dimension the files do not name). A training script
+that records DeepSpeed's ``universal_checkpoint_info`` (Megatron-DeepSpeed does, as
+``client_state``) lists the splits by name patterns: ``tp_replicated_parameter_patterns`` (whole on
 every model rank), ``parameter_with_row_parallelism_patterns`` (split on dim 1), every other
 parameter split on dim 0 (column-parallel), the same rule DeepSpeed's ``ds_to_universal``
 applies. Algorithm: per stage, each model rank's shard shapes and those patterns become one
@@ -155,16 +158,17 @@ def merge_pipeline_tp(
     parameter (``metas[s][t]``, ``optim[s][t][d]``: stage ``s``, model rank ``t``, replica ``d``).
 
     Raises:
-        UnsupportedCheckpointError: no ``universal_checkpoint_info`` patterns, or patterns or
-            parameters this reader cannot place.
+        UnsupportedCheckpointError: without ``universal_checkpoint_info`` patterns, a parameter
+            whose model-rank copies differ; patterns or parameters this reader cannot place.
         LayoutMismatchError: the ranks disagree (shapes, names, replicated values, steps).
     """
-    info = _patterns(files, metas[0][0])
+    hinted = _patterns(files, metas[0][0])
     stage_flats: list[FlatStates] = []
     params: dict[str, Any] = {}
     for s, (stage_metas, stage_optim) in enumerate(zip(metas, optim, strict=True)):
         _check_metas(files, s, stage_metas)
         shapes = [_param_shapes(meta, files, s, t) for t, meta in enumerate(stage_metas)]
+        info = hinted if hinted is not None else _check_unhinted(files, s, shapes, stage_optim)
         for t, held in enumerate(shapes[1:], start=1):
             if set(held) != set(shapes[0]):
                 raise LayoutMismatchError(
@@ -184,8 +188,9 @@ def merge_pipeline_tp(
             }
             for meta in stage_metas
         ]
+        unhinted = None if hinted is not None else f"{files.first_layer_file} (no hints)"
         flat, split = merge_tensor_parallel(
-            list(zip(synthetic, stage_optim, strict=True)), files.data_parallel, 1
+            list(zip(synthetic, stage_optim, strict=True)), files.data_parallel, 1, unhinted
         )
         stage_flats.append(flat)
         for name, param in split.params.items():
@@ -195,16 +200,13 @@ def merge_pipeline_tp(
     )
 
 
-def _patterns(files: PipelineTPFiles, meta: Mapping[str, Any]) -> Mapping[str, Any]:
+def _patterns(files: PipelineTPFiles, meta: Mapping[str, Any]) -> Mapping[str, Any] | None:
+    """The pattern lists of ``universal_checkpoint_info``; None when the model states carry
+    none (then only replicated parameters are accepted: :func:`_check_unhinted`)."""
     info = meta.get("universal_checkpoint_info")
     where = f"{files.first_layer_file} (pp {files.stages} x tp {files.degree})"
     if not isinstance(info, Mapping) or not (info.get(REPLICATED) or info.get(ROW_PARALLEL)):
-        raise UnsupportedCheckpointError(
-            f"{where}: a pipeline with tensor parallelism whose model states carry no "
-            f"universal_checkpoint_info ({REPLICATED}, {ROW_PARALLEL}), so the split dimension "
-            "of each tensor is unknown; save with client_state={'universal_checkpoint_info': "
-            "...} (docs/parallel.md)."
-        )
+        return None
     for key in UNSUPPORTED:
         if info.get(key):
             raise UnsupportedCheckpointError(
@@ -212,6 +214,37 @@ def _patterns(files: PipelineTPFiles, meta: Mapping[str, Any]) -> Mapping[str, A
                 "row-parallel and column-parallel parameters only."
             )
     return info
+
+
+def _check_unhinted(
+    files: PipelineTPFiles,
+    stage: int,
+    shapes: Sequence[Mapping[str, tuple[int, ...]]],
+    optim: Sequence[Sequence[TorchFile]],
+) -> Mapping[str, Any]:
+    """Without ``universal_checkpoint_info``: every parameter of the stage must be the same on
+    every model rank (plain layers, copied: replicated); the pattern list that says so.
+
+    The copies are compared byte for byte (every fp32 master, optimizer state and scalar) by
+    the merge; a parameter whose model ranks hold other shapes is split along a dimension the
+    files do not name, and is refused here.
+
+    Raises:
+        UnsupportedCheckpointError: a parameter's shapes differ between model ranks.
+    """
+    where = f"{files.first_layer_file} (pp {files.stages} x tp {files.degree})"
+    for name, shape in shapes[0].items():
+        held = [ranks.get(name) for ranks in shapes]
+        if any(other != shape for other in held):
+            raise UnsupportedCheckpointError(
+                f"{where}: param '{name}' has shapes {[list(h or ()) for h in held]} on the "
+                f"model ranks of stage {stage}, so it is split along a dimension the files do not "
+                "name, and the model states carry no universal_checkpoint_info saying which; "
+                "save with client_state={'universal_checkpoint_info': {...}} "
+                "(docs/parallel.md)."
+            )
+    del optim
+    return {REPLICATED: [f"^{re.escape(name)}$" for name in shapes[0]]}
 
 
 def _check_metas(files: PipelineTPFiles, stage: int, metas: Sequence[Mapping[str, Any]]) -> None:

@@ -1,63 +1,91 @@
-"""Refuse an fp16 ZeRO-0 pipeline checkpoint in one line that says so.
+"""The stages of a ZeRO-0 pipeline (no optimizer shards): each stage's positional optimizer named.
 
-Without ZeRO, a pipeline trained in fp16 runs under DeepSpeed's ``FP16_UnfusedOptimizer`` (a
-torch optimizer, e.g. ``"torch_adam": true``) or ``FP16_Optimizer`` (a fused one). Neither
-writes optimizer shards: each stage's ``mp_rank_XX_model_states.pt`` holds the wrapper's
-``state_dict()`` in its ``optimizer`` entry, the fp32 masters as ``fp32_groups`` (one tensor
-per parameter) or ``fp32_groups_flat`` (one flat tensor per group) and the Adam moments in
-the torch ``optimizer_state_dict``, all by position, with ``param_shapes`` None and no names.
-Which position is which layer would have to be guessed from the partition and the module
-order, so such a folder is refused like an fp32 ZeRO-0 one, with the reason.
+Without ZeRO, each stage of a ``PipelineModule`` saves its optimizer's ``state_dict()`` by
+position in its ``mp_rank_{s:02d}_model_states.pt`` (a bare torch optimizer in fp32,
+``FP16_UnfusedOptimizer`` / ``FP16_Optimizer`` in fp16: :mod:`.positional`), with
+``param_shapes`` None: no stage names its parameters. The layer files
+(``layer_{i:02d}-model_states.pt``, the 16-bit weights under each layer's own names) give the
+candidates, named ``"<i>.<local>"`` (:mod:`ucformat.layout.pipeline`) and in layer order, the
+order a ``PipelineModule`` registers them.
 
-Algorithm: only a folder without ``*_optim_states.pt`` shards is looked at; its stage-0
-model-states file is opened (as every reader opens it: nothing is executed from the pickle),
-and an ``optimizer`` entry with fp32 master groups is the fp16 wrapper's.
+Algorithm: per stage, :func:`.positional.read_positional` names every position among all the
+layers' parameters (fp16: each master's digest finds its weight; fp32: shapes, module order
+inside one consistent group, refused where the files do not decide). A name two stages take is
+a tied module (``TiedLayerSpec``) both stages hold; the caller compares the copies. DeepSpeed
+saves a tied module's parameters in the layer file of its first use and never saves its key, so
+they keep that layer's name (``"0.weight"`` rather than ``"tied_modules.<key>.weight"``);
+the loader maps a ``PipelineEngine``'s tied names to it (:mod:`ucformat.deepspeed.pipeline`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from pathlib import Path
+from collections.abc import Mapping, Sequence
+from typing import Any
 
-from ucformat.errors import UnsupportedCheckpointError
-from ucformat.sources.deepspeed.pipeline_files import MODEL_FILE, OPTIM_FILE
-from ucformat.sources.safe_unpickle import PicklePolicy
-from ucformat.sources.torchfile import open_torch_file
+from ucformat.errors import NotACheckpointError, UnsupportedCheckpointError
+from ucformat.format.models import LossScaler
+from ucformat.sources.deepspeed.positional import (
+    decode_positional,
+    loss_scale_config,
+    read_positional,
+)
+from ucformat.sources.deepspeed.states import FlatStates
+from ucformat.sources.torchfile import TensorRef, TorchFile
 
-__all__ = ["refuse_fp16_zero0"]
-
-#: The key of the fp32 master weights in each fp16 wrapper's ``state_dict()``.
-_WRAPPERS = {"fp32_groups": "FP16_UnfusedOptimizer", "fp32_groups_flat": "FP16_Optimizer"}
+__all__ = ["Zero0Stages", "read_zero0_stages"]
 
 
-def refuse_fp16_zero0(folder: Path, policy: PicklePolicy | None, *, check_crc: bool) -> None:
-    """Raise if ``folder`` (a pipeline tag folder) is an fp16 ZeRO-0 checkpoint.
+class Zero0Stages:
+    """What :func:`read_zero0_stages` recovers: per stage its named states, the wrapper's
+    loss scale (fp16) and gradient clipping."""
 
-    Returns without opening anything when the folder has optimizer shards; otherwise opens
-    stage 0's model-states file (when there is one) and returns unless its ``optimizer``
-    entry is an fp16 wrapper's.
+    def __init__(
+        self, flats: list[FlatStates], loss_scaler: LossScaler | None, clip_grad: float | None
+    ) -> None:
+        self.flats = flats
+        self.loss_scaler = loss_scaler
+        self.clip_grad = clip_grad
+
+
+def _layer_weights(layers: Mapping[int, TorchFile], buffer_names: set[str]) -> dict[str, TensorRef]:
+    weights: dict[str, TensorRef] = {}
+    for index, handle in sorted(layers.items()):
+        state = handle.obj
+        if not isinstance(state, Mapping):
+            raise NotACheckpointError(f"{handle.path}: not a layer state dict.")
+        for local, value in state.items():
+            name = f"{index}.{local}"
+            if isinstance(value, TensorRef) and name not in buffer_names:
+                weights[name] = value
+    return weights
+
+
+def read_zero0_stages(
+    metas: Sequence[Mapping[str, Any]],
+    models: Sequence[TorchFile],
+    layers: Mapping[int, TorchFile],
+    train_dtype: str,
+) -> Zero0Stages:
+    """Name each stage's positional optimizer state among the layer files' parameters.
 
     Raises:
-        UnsupportedCheckpointError: the fp16 wrapper's state, saved by position only (the
-            message names the file, the wrapper, and what ucformat reads instead).
+        UnsupportedCheckpointError: a stage saved no optimizer, or the files leave a name
+            ambiguous (:func:`.positional.read_positional`).
+        LayoutMismatchError: the files contradict each other.
     """
-    names = [p.name for p in folder.iterdir() if p.is_file()]
-    models = sorted(n for n in names if MODEL_FILE.match(n))
-    if not models or any(OPTIM_FILE.match(n) for n in names):
-        return
-    path = folder / models[0]
-    handle = open_torch_file(path, policy, check_crc=check_crc)
-    try:
-        meta = handle.obj
-        state = meta.get("optimizer") if isinstance(meta, Mapping) else None
-        found = [k for k in _WRAPPERS if isinstance(state, Mapping) and k in state]
-    finally:
-        handle.close()
-    if found:
-        raise UnsupportedCheckpointError(
-            f"{path}: ZeRO-0 in fp16 ({_WRAPPERS[found[0]]}): each stage's fp32 master weights "
-            f"and Adam moments are saved in its model-states 'optimizer' entry by position "
-            f"({found[0]}, optimizer_state_dict), without parameter names or param_shapes; "
-            'ucformat reads fp16 pipelines trained with ZeRO-1 ("zero_optimization": '
-            '{"stage": 1}).'
-        )
+    buffers = {str(n) for meta in metas for n in meta.get("buffer_names") or []}
+    weights = _layer_weights(layers, buffers)
+    flats: list[FlatStates] = []
+    scaler: LossScaler | None = None
+    clip: float | None = None
+    for meta, handle in zip(metas, models, strict=True):
+        if meta.get("optimizer") is None:
+            raise UnsupportedCheckpointError(
+                f"{handle.path}: no optimizer shards and no 'optimizer' entry; the stage was "
+                "saved without an optimizer, ucformat converts training checkpoints."
+            )
+        opt = decode_positional(meta["optimizer"], handle)
+        flats.append(read_positional(opt, weights, train_dtype, handle).flat)
+        if opt.loss_scale and scaler is None:
+            scaler, clip = loss_scale_config(opt.loss_scale), opt.clip_grad
+    return Zero0Stages(flats, scaler, clip)

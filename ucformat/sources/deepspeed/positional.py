@@ -16,8 +16,10 @@ files hold: each position's shape, and where a master of another dtype exists, t
 the master rounded to the training dtype (round to nearest even, as DeepSpeed's
 ``copy_`` into the 16-bit weight does), which must equal the digest of one module weight's
 bytes. ``FP16_Optimizer``'s flat masters are cut into parameters by the same digests. The
-fp32 masters are the stored ``fp32`` arrays, the states are sliced per parameter; module
-weights no position takes are parameters outside the optimizer (frozen).
+fp32 masters are the stored ``fp32`` arrays, the states are sliced per parameter (a state of
+another shape than its parameter's, e.g. Adafactor's row and column factors or a 1-element
+tensor, is kept whole as saved: format 3.1 ``whole_states``); module weights no position takes
+are parameters outside the optimizer (frozen).
 
 Nothing is executed from the pickles; module weights and masters are read for the digests
 (once each), everything else stays on disk until the writer copies it.
@@ -26,7 +28,7 @@ Nothing is executed from the pickles; module weights and masters are read for th
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from math import prod
 from typing import Any
@@ -35,8 +37,9 @@ import numpy as np
 
 from ucformat.errors import LayoutMismatchError, NotACheckpointError, UnsupportedCheckpointError
 from ucformat.format.dtypes import numpy_storage_dtype
-from ucformat.format.models import ScalarState
+from ucformat.format.models import LossScaler, ScalarState
 from ucformat.format.spec import FP32_STATE
+from ucformat.format.training_values import encode_exact
 from ucformat.layout.positions import Candidate, Slot, match_positions, segment_flat
 from ucformat.sources.base import ArraySource, SourceFragment, scalar_state
 from ucformat.sources.deepspeed.states import FlatStates
@@ -44,6 +47,7 @@ from ucformat.sources.torchfile import TensorRef, TorchFile
 
 __all__ = [
     "LOSS_SCALE_KEYS",
+    "loss_scale_config",
     "PositionalOptimizer",
     "decode_positional",
     "module_weights",
@@ -104,6 +108,18 @@ def decode_positional(obj: Any, handle: TorchFile) -> PositionalOptimizer:
         f"{handle.path}: its 'optimizer' entry is not a torch optimizer's state_dict nor a "
         "DeepSpeed FP16_Optimizer's or FP16_UnfusedOptimizer's; not a DeepSpeed checkpoint "
         "ucformat can read."
+    )
+
+
+def loss_scale_config(entries: Mapping[str, Any]) -> LossScaler:
+    """The manifest's loss scaler from an fp16 wrapper's loss-scale entries (ZeRO-0:
+    ``LossScaleConfig``'s attributes, saved flat in its ``state_dict()``)."""
+    attributes = {str(k): encode_exact(v, "loss_scaler") for k, v in entries.items()}
+    return LossScaler(
+        class_name="LossScaleConfig",
+        dynamic=bool(entries.get("dynamic_loss_scale", False)),
+        cur_scale=float(entries.get("cur_scale", 1.0)),
+        attributes=attributes,
     )
 
 
@@ -184,8 +200,11 @@ def read_positional(
     weights: Mapping[str, TensorRef],
     train_dtype: str,
     handle: TorchFile,
+    group_names: Callable[[Mapping[str, Any]], Collection[str] | None] | None = None,
 ) -> PositionalRead:
     """Name every position of ``opt`` among ``weights`` (module order) and describe its arrays.
+
+    ``group_names(param_group)`` may say which names a param group can hold (None: any).
 
     Raises:
         LayoutMismatchError: the files contradict each other (a master matching no weight, a
@@ -215,12 +234,14 @@ def read_positional(
             def key_at(offset: int, numel: int, m: TensorRef = master) -> str:
                 return _master_key(m, offset, numel, train_dtype, where)
 
-            cuts = segment_flat(g, master.numel, candidates, key_at, claimed, where)
+            names = group_names(flat.param_groups[g]) if group_names is not None else None
+            allowed = [c for c in candidates if names is None or c.name in names]
+            cuts = segment_flat(g, master.numel, allowed, key_at, claimed, where)
             positions = list(flat.param_groups[g].get("params", [g]))
             group_state = state.get(positions[0], {}) if positions else {}
             _add_flat_group(flat, g, master, cuts, weights, group_state, where)
         return PositionalRead(flat, [n for n in weights if n not in claimed])
-    slots, master_of = _slots(opt, weights, train_dtype, where)
+    slots, master_of = _slots(opt, weights, train_dtype, where, group_names)
     placed = match_positions(slots, candidates, where)
     by_position = {s.position: s for s in slots}
     for position in sorted(placed, key=lambda p: (by_position[p].group, p)):
@@ -241,7 +262,11 @@ def read_positional(
 
 
 def _slots(
-    opt: PositionalOptimizer, weights: Mapping[str, TensorRef], train_dtype: str, where: str
+    opt: PositionalOptimizer,
+    weights: Mapping[str, TensorRef],
+    train_dtype: str,
+    where: str,
+    group_names: Callable[[Mapping[str, Any]], Collection[str] | None] | None,
 ) -> tuple[list[Slot], dict[int, TensorRef]]:
     """One :class:`Slot` per position (bare optimizer, ``FP16_UnfusedOptimizer``)."""
     shapes = {ref.shape for ref in weights.values()}
@@ -250,6 +275,8 @@ def _slots(
     master_of: dict[int, TensorRef] = {}
     for g, group in enumerate(opt.inner["param_groups"]):
         positions = [int(p) for p in group.get("params", [])]
+        names = group_names(group) if group_names is not None else None
+        allowed = frozenset(names) if names is not None else None
         masters = opt.masters[g] if g < len(opt.masters) else None
         if masters is not None and len(masters) != len(positions):
             raise LayoutMismatchError(
@@ -268,7 +295,7 @@ def _slots(
                     key = _master_key(master, 0, master.numel, train_dtype, where)
             else:
                 shape = _state_shape(state.get(position, {}), shapes)
-            slots.append(Slot(position, g, shape, key))
+            slots.append(Slot(position, g, shape, key, allowed))
     return slots, master_of
 
 
@@ -289,7 +316,8 @@ def _whole(tensor: TensorRef, shape: tuple[int, ...]) -> ArraySource:
 def _add_param_state(
     flat: FlatStates, name: str, shape: tuple[int, ...], held: Mapping[str, Any], where: str
 ) -> None:
-    """A parameter's own optimizer state: parameter-shaped tensors and scalars."""
+    """A parameter's own optimizer state: parameter-shaped tensors (elementwise), tensors of
+    another shape (kept whole), scalars."""
     for key, value in held.items():
         key = str(key)
         if key == FP32_STATE:
@@ -297,12 +325,9 @@ def _add_param_state(
         if isinstance(value, TensorRef) and value.shape == shape:
             flat.arrays[name][key] = _whole(value, shape)
             continue
-        if isinstance(value, TensorRef) and value.shape:
-            raise UnsupportedCheckpointError(
-                f"{where}: optimizer state '{key}' has shape {list(value.shape)}, not the "
-                f"parameter's {list(shape)}; ucformat stores parameter-shaped states and scalars "
-                "only."
-            )
+        if isinstance(value, TensorRef) and value.shape:  # kept whole, as saved (format 3.1)
+            flat.whole.setdefault(name, {})[key] = _whole(value, value.shape)
+            continue
         flat.scalars[name][key] = _scalar(value, f"{where} state '{key}'")
 
 

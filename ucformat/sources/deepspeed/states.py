@@ -4,6 +4,16 @@ Trust ``param_shapes`` and the partition formulas of :mod:`ucformat.layout.parti
 DeepSpeed's ``param_slice_mappings`` (wrong with ``round_robin_gradients``). Every tensor length
 found in a shard is checked against the layout, so a wrong assumption fails loudly instead of
 shifting values.
+
+A ZeRO-1/2 group's state tensor is, by its length on a rank:
+
+* the partition's (``P``): elementwise, cut like the fp32 partition (Adam's moments);
+* the sum of the *whole* sizes of the parameters the partition touches: one whole copy of each,
+  end to end (DeepSpeed's Muon keeps ``momentum_buffer`` so, a matrix touched by two ranks on
+  both): elementwise too, each parameter from the first rank holding it, the other copies
+  compared byte for byte;
+* anything else (a 1-element tensor, a per-partition statistic): a state of the partition, kept
+  as saved, one row per rank (format 3.1 ``partition_states``).
 """
 
 from __future__ import annotations
@@ -13,7 +23,10 @@ from dataclasses import dataclass, field
 from math import prod
 from typing import Any
 
-from ucformat.errors import LayoutMismatchError, NotACheckpointError
+import numpy as np
+
+from ucformat.errors import LayoutMismatchError, NotACheckpointError, UnsupportedCheckpointError
+from ucformat.format.dtypes import numpy_storage_dtype
 from ucformat.format.models import ScalarState
 from ucformat.format.spec import FP32_STATE
 from ucformat.layout.partition import Fragment, PartitionedFlatLayout, PerParamLayout
@@ -36,6 +49,10 @@ class FlatStates:
     param_groups: list[dict[str, Any]] = field(default_factory=list)
     #: ZeRO-3 sub-group count.
     sub_groups: int | None = None
+    #: States kept whole per parameter in their own shape (ZeRO-0: :mod:`.positional`).
+    whole: dict[str, dict[str, ArraySource]] = field(default_factory=dict)
+    #: Per group, per key: each rank's tensor of a state kept once per partition (ZeRO-1/2).
+    partition: dict[int, dict[str, list[TensorRef]]] = field(default_factory=dict)
 
 
 def _key(obj: Mapping[str, Any], key: str, handle: TorchFile) -> Any:
@@ -84,12 +101,68 @@ def _add_fragments(
 
 
 def _split_state(
-    state: Mapping[str, Any], handle: TorchFile, where: str
+    state: Mapping[str, Any], handle: TorchFile, where: str, *, odd: bool = False
 ) -> tuple[dict[str, TensorRef], dict[str, ScalarState]]:
-    arrays, scalars = split_state(state, f"{handle.path}: {where}")
+    """Tensors and scalars of a flat group's state; ``odd``: tensors of any shape count as
+    tensors (the caller sorts them out), else only 1-D ones."""
+    if odd:
+        tensors = {str(k): v for k, v in state.items() if isinstance(v, TensorRef) and v.shape}
+        rest = {k: v for k, v in state.items() if str(k) not in tensors}
+        _, scalars = split_state(rest, f"{handle.path}: {where}")
+        arrays: dict[str, Any] = tensors
+    else:
+        arrays, scalars = split_state(state, f"{handle.path}: {where}")
     if FP32_STATE in arrays:
         raise LayoutMismatchError(f"{handle.path}: optimizer state key '{FP32_STATE}' is reserved.")
     return arrays, scalars
+
+
+def _whole_params_length(fragments: Sequence[Fragment], params: Sequence[tuple[str, int]]) -> int:
+    """The summed whole sizes of the parameters ``fragments`` touch (a Muon buffer's length)."""
+    touched = {f.name for f in fragments}
+    return sum(numel for name, numel in params if name in touched)
+
+
+def _add_whole_copies(
+    states: FlatStates,
+    fragments: Sequence[Fragment],
+    params: Sequence[tuple[str, int]],
+    key: str,
+    tensor: TensorRef,
+    shapes: Mapping[str, Any],
+    handle: TorchFile,
+) -> None:
+    """A state holding one whole copy of each parameter the partition touches, end to end:
+    each parameter's array from the first rank holding it; later copies must be equal."""
+    touched = {f.name for f in fragments}
+    offset = 0
+    for name, numel in params:
+        if name not in touched:
+            continue
+        per_state = states.arrays.setdefault(name, {})
+        if key not in per_state:
+            shape = tuple(int(d) for d in shapes[name])
+            per_state[key] = ArraySource(shape, tensor.dtype_name)
+            if numel:
+                per_state[key].fragments.append(SourceFragment(tensor, offset, 0, numel))
+        else:
+            kept = per_state[key].fragments[0] if per_state[key].fragments else None
+            same = kept is None or _equal(kept.tensor, kept.tensor_start, tensor, offset, numel)
+            if not same:
+                raise LayoutMismatchError(
+                    f"{handle.path}: optimizer state '{key}' of '{name}' (a whole copy per "
+                    "partition touching it) differs from another rank's copy; the ranks diverged."
+                )
+        offset += numel
+
+
+def _equal(a: Any, a_start: int, b: TensorRef, b_start: int, numel: int) -> bool:
+    """Whether ``numel`` elements of two tensors agree bit for bit (read now)."""
+    dtype = numpy_storage_dtype(b.dtype_name)
+    left, right = np.empty(numel, dtype), np.empty(numel, dtype)
+    a.read_into(left, a_start, a_start + numel)
+    b.read_into(right, b_start, b_start + numel)
+    return bool(np.array_equal(left.view(np.uint8), right.view(np.uint8)))
 
 
 def _record_scalars(
@@ -147,14 +220,27 @@ def read_zero12_states(
             _check_length(fp32, valid, size, handle, f"fp32 partition of group {g}")
             base = _key(osd, "base_optimizer_state", handle)
             group_state = base[g] if elastic else base["state"].get(g, {})
-            tensors, scalars = _split_state(group_state, handle, f"group {g} state")
-            for key, tensor in tensors.items():
+            tensors, scalars = _split_state(group_state, handle, f"group {g} state", odd=True)
+            fragments = list(layout.fragments(rank))
+            wholes = _whole_params_length(fragments, params)
+            for key, tensor in list(tensors.items()):
                 low = valid if elastic else size
-                _check_length(tensor, low, size, handle, f"state '{key}' of group {g}")
+                if low <= tensor.numel <= size and len(tensor.shape) == 1:
+                    continue
+                if tensor.numel == wholes and len(tensor.shape) == 1 and not elastic:
+                    _add_whole_copies(states, fragments, params, key, tensor, shapes, handle)
+                else:
+                    states.partition.setdefault(g, {}).setdefault(key, []).append(tensor)
+                del tensors[key]
             _record_scalars(states, [n for n, _ in params], scalars, handle)
-            _add_fragments(
-                states, list(layout.fragments(rank)), {FP32_STATE: fp32, **tensors}, shapes
-            )
+            _add_fragments(states, fragments, {FP32_STATE: fp32, **tensors}, shapes)
+        for key, per_rank in states.partition.get(g, {}).items():
+            if len(per_rank) != world_size:
+                raise LayoutMismatchError(
+                    f"{optim[0].path}: optimizer state '{key}' of group {g} is held by "
+                    f"{len(per_rank)} of the {world_size} ranks' shards; shards from different "
+                    "runs are mixed."
+                )
     if not elastic:
         states.param_groups = [dict(group) for group in base0["param_groups"]]
     return states
@@ -198,9 +284,15 @@ def read_zero3_states(
             size = layout.partition_size
             _check_length(fp32, size, size, handle, f"fp32 partition of sub-group {sg}")
             inner = _key(osd, "optimizer_state_dict", handle)
-            tensors, scalars = _split_state(inner["state"].get(sg, {}), handle, f"sub-group {sg}")
+            held = inner["state"].get(sg, {})
+            tensors, scalars = _split_state(held, handle, f"sub-group {sg}", odd=True)
             for key, tensor in tensors.items():
-                _check_length(tensor, size, size, handle, f"state '{key}' of sub-group {sg}")
+                if tensor.numel != size or len(tensor.shape) != 1:
+                    raise UnsupportedCheckpointError(
+                        f"{handle.path}: optimizer state '{key}' of sub-group {sg} has shape "
+                        f"{list(tensor.shape)}, not the partition's [{size}]; ucformat keeps "
+                        "states that are not elementwise for ZeRO 0-2 only."
+                    )
             _record_scalars(states, [n for n, _ in params], scalars, handle)
             rank = optim.index(handle)
             _add_fragments(

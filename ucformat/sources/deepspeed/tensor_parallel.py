@@ -84,9 +84,14 @@ def merge_tensor_parallel(
     ranks: Sequence[tuple[Mapping[str, Any], Sequence[TorchFile]]],
     world_size: int,
     stage: int,
+    unhinted: str | None = None,
 ) -> tuple[FlatStates, TensorParallelInfo]:
     """Full-shape arrays of an AutoTP checkpoint from its ``ranks`` (per tensor-parallel rank:
     its model-states metadata and its optimizer files), and the manifest's description.
+
+    ``unhinted`` (where to say it, in a refusal): the affine map was made up because the files
+    carry no hints, every parameter taken for replicated; copies that differ are then refused
+    as a split the files do not name (:class:`UnsupportedCheckpointError`), not as diverged.
 
     Raises:
         UnsupportedCheckpointError: a layout this reader (or DeepSpeed) cannot place.
@@ -101,6 +106,12 @@ def merge_tensor_parallel(
         for m, optim in ranks
     ]
     first = flats[0]
+    odd = sorted({k for f in flats for held in f.partition.values() for k in held})
+    if odd:
+        raise UnsupportedCheckpointError(
+            f"optimizer states kept once per partition ({odd}) with tensor parallelism; "
+            "ucformat keeps such states for data-parallel ZeRO-1/2 only."
+        )
     for t, flat in enumerate(flats[1:], start=1):
         if flat.groups != first.groups:
             raise LayoutMismatchError(
@@ -132,7 +143,7 @@ def merge_tensor_parallel(
                         f"affine map says {list(shard_maps[t].shard_shape)}."
                     )
             if replicated:
-                _check_replicas(name, state, arrays)
+                _check_replicas(name, state, arrays, unhinted)
                 merged.arrays[name][state] = ArraySource(
                     logical, arrays[0].dtype, list(arrays[0].fragments)
                 )
@@ -288,12 +299,22 @@ def _values(array: ArraySource) -> np.ndarray:
     return out
 
 
-def _check_replicas(name: str, state: str, arrays: Sequence[ArraySource]) -> None:
+def _check_replicas(
+    name: str, state: str, arrays: Sequence[ArraySource], unhinted: str | None = None
+) -> None:
     reference = _values(arrays[0]).view(np.uint8)
     for t, array in enumerate(arrays[1:], start=1):
         if array.dtype != arrays[0].dtype or not np.array_equal(
             _values(array).view(np.uint8), reference
         ):
+            if unhinted is not None:
+                raise UnsupportedCheckpointError(
+                    f"{unhinted}: param '{name}': its '{state}' differs between model ranks 0 "
+                    f"and {t}, so it is split along a dimension the files do not name (or the "
+                    "copies diverged), and the model states carry no universal_checkpoint_info "
+                    "saying which; save with client_state={'universal_checkpoint_info': {...}} "
+                    "(docs/parallel.md)."
+                )
             raise LayoutMismatchError(
                 f"param '{name}' is tensor-parallel replicated, but its '{state}' on tp rank {t} "
                 "differs from rank 0's; the checkpoint is inconsistent (ranks diverged)."

@@ -1,0 +1,139 @@
+"""Optimizer states that are not elementwise (format 3.1), loaded where the target allows it.
+
+A store may hold two kinds (docs/format.md §5.4):
+
+* ``whole_states`` of a parameter: a tensor in a shape of its own that the optimizer keeps per
+  parameter (a 1-element tensor, Adafactor-style row and column factors). A target takes it
+  only where its optimizer steps that parameter on its own, whole: a ZeRO-0 engine with a bare
+  optimizer or ``FP16_UnfusedOptimizer``. A ZeRO partition or ``FP16_Optimizer``'s flat group
+  has no place for it.
+* ``partition_states`` of an optimizer group: one tensor per flat ZeRO-1/2 partition (row ``p``
+  of the stored array). A ZeRO-1/2 target takes partition ``p`` on its rank ``p`` when it
+  partitions the group the same way (the same members in the same order over as many ranks);
+  a state equal on every partition (``replicated``) goes to every rank of any ZeRO-1/2 target.
+
+Everything else is refused before anything is read, in one line naming the parameter or group,
+the state, and the layout that would take it. Plans are data (:class:`OddState`); reading fills
+new tensors; writing puts them into the optimizer's state after the elementwise ones.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ucformat.deepspeed.engine import EngineView
+from ucformat.errors import UnsupportedCheckpointError
+from ucformat.format.models import ArrayRef, CheckpointManifest
+from ucformat.layout.partition import PartitionedFlatLayout
+from ucformat.read.checkpoint import UniversalCheckpoint
+from ucformat.read.partitions import ReadTally
+
+__all__ = ["OddState", "plan_odd_states", "read_odd_states", "write_odd_states"]
+
+#: What to do instead, said in every refusal of a whole state.
+_WHOLE_TARGETS = (
+    "a ZeRO-0 engine whose optimizer steps each parameter whole (fp32, or fp16/bf16 with a "
+    "non-fused optimizer), or a plain model"
+)
+
+
+@dataclass(frozen=True)
+class OddState:
+    """One non-elementwise state this rank loads: ``ref`` (its row ``row``, or all of it when
+    None) into the optimizer state ``key`` of flat target ``target``."""
+
+    target: int
+    key: str
+    ref: ArrayRef
+    row: int | None
+
+
+def plan_odd_states(view: EngineView, manifest: CheckpointManifest) -> list[OddState]:
+    """What this rank loads of the store's non-elementwise states.
+
+    Raises:
+        UnsupportedCheckpointError: the target's layout cannot take a state.
+    """
+    plans: list[OddState] = []
+    per_param = view.holds_whole_params()
+    for target in view.targets:
+        for name in target.names:
+            entry = manifest.params.get(manifest.resolve(name))
+            if entry is None or not entry.whole_states:
+                continue
+            if not per_param or len(target.names) != 1:
+                key, ref = next(iter(entry.whole_states.items()))
+                raise UnsupportedCheckpointError(
+                    f"param '{name}': the store keeps its optimizer state '{key}' whole (shape "
+                    f"{ref.shape}, not elementwise), and this engine's optimizer "
+                    f"({type(view.wrapper).__name__}) does not step '{name}' whole; load it "
+                    f"into {_WHOLE_TARGETS}."
+                )
+            plans += [OddState(target.index, k, r, None) for k, r in entry.whole_states.items()]
+    groups = manifest.optimizer.groups if manifest.optimizer is not None else []
+    for g, group in enumerate(groups):
+        for key, state in group.partition_states.items():
+            plans.append(_partition_plan(view, g, group.params, key, state.partitions,
+                                         state.replicated, state.array))  # fmt: skip
+    return plans
+
+
+def _partition_plan(
+    view: EngineView,
+    g: int,
+    members: Sequence[str],
+    key: str,
+    partitions: int,
+    replicated: bool,
+    ref: ArrayRef,
+) -> OddState:
+    target = next((t for t in view.targets if t.index == g), None)
+    layout = target.layout if target is not None else None
+    what = (
+        f"optimizer group {g}'s state '{key}' is kept once per ZeRO partition (shape "
+        f"{ref.shape[1:]}, not elementwise)"
+    )
+    if target is None or not isinstance(layout, PartitionedFlatLayout) or view.kind == "zero3":
+        raise UnsupportedCheckpointError(
+            f"{what}, and this engine ({type(view.wrapper).__name__}) has no ZeRO-1/2 "
+            f"partition of group {g}; load it into a ZeRO-1/2 engine with {partitions} "
+            "ranks and the same param groups."
+        )
+    if replicated:
+        return OddState(target.index, key, ref, 0)
+    if layout.world_size != partitions or target.names != list(members):
+        raise UnsupportedCheckpointError(
+            f"{what} and differs between the source's {partitions} partitions, which this "
+            f"engine does not have (it partitions group {g} over {layout.world_size} ranks"
+            f"{'' if target.names == list(members) else ', with other members'}); load it at "
+            f"the source's layout: ZeRO-1/2, {partitions} ranks, the same param groups."
+        )
+    return OddState(target.index, key, ref, target.rank)
+
+
+def read_odd_states(
+    ckpt: UniversalCheckpoint, plans: Sequence[OddState], tally: ReadTally
+) -> list[torch.Tensor]:
+    """Each plan's tensor, read now into a new tensor (its row of a partition state)."""
+    values: list[torch.Tensor] = []
+    for plan in plans:
+        whole = ckpt.read_array(plan.ref)
+        value = whole if plan.row is None else whole[plan.row].clone()
+        values.append(value)
+        numel = plan.ref.nbytes // max(1, whole.element_size())
+        tally.bytes_needed += value.numel() * value.element_size()
+        tally.note(plan.ref, 0, numel)
+    return values
+
+
+def write_odd_states(
+    view: EngineView, plans: Sequence[OddState], values: Sequence[torch.Tensor]
+) -> None:
+    """Put each value into its target's optimizer state (after the elementwise ones)."""
+    optimizer = view.base_optimizer
+    for plan, value in zip(plans, values, strict=True):
+        key = view.state_key(plan.target)
+        optimizer.state[key][plan.key] = value.to(key.device)
