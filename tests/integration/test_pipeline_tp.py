@@ -96,16 +96,56 @@ def test_pp_tp_converts_like_ds_to_universal(case_dir: Path, store: Path) -> Non
     _check(store, _universal_params(universal))
 
 
-def test_pp_tp_without_universal_checkpoint_info_is_refused_in_one_line(
+def test_pp_tp_without_universal_checkpoint_info_is_refused_naming_a_split_param(
     case_dir: Path, tmp_path: Path
 ) -> None:
+    # the column-parallel layer's shards have the same shape on both model ranks, but not the
+    # same values: split along a dimension the files do not name
     with pytest.raises(UnsupportedCheckpointError) as info:
         ucformat.convert(case_dir / BARE_CKPT, tmp_path / "s")
     message = str(info.value)
     assert "\n" not in message
-    assert "layer_00-model_00-model_states.pt (pp 2 x tp 2)" in message
+    assert "layer_00-model_00-model_states.pt (no hints): param '0.weight': its '" in message
+    assert "differs between model ranks 0 and 1" in message
     assert "no universal_checkpoint_info" in message
     assert not (tmp_path / "s" / "ucformat.json").exists()
+
+
+def test_a_refusal_fails_every_process_of_a_distributed_convert(
+    case_dir: Path, tmp_path: Path
+) -> None:
+    """Every process reads the checkpoint; the one-line refusal is agreed on (collective), so
+    no process waits for the others: both exit with it, nothing is committed."""
+    from tests.launch import REPO_ROOT, run_in_group, torchrun_command
+
+    command = torchrun_command(
+        2, [str(REPO_ROOT / "tests" / "fixtures" / "_limited_cli.py"), "convert",
+            "--distributed", str(case_dir / BARE_CKPT), str(tmp_path / "s")],
+    )  # fmt: skip
+    done = run_in_group(command, timeout_s=600, capture=True)
+    assert done.returncode not in (0, None), done.stdout[-2000:]
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert errors and all("param '0.weight'" in line for line in errors), done.stderr[-3000:]
+    assert not (tmp_path / "s" / "ucformat.json").exists()
+
+
+PLAIN = "pp2mp2-z1-fp32-plain"
+
+
+def test_pp_tp_of_plain_layers_converts_without_hints(tmp_path: Path) -> None:
+    """Plain layers copied on both model ranks (no split), saved without hints: every copy is
+    byte-identical, so each parameter is stored once as replicated, equal to the job's own."""
+    if not deepspeed_available():
+        pytest.skip("DeepSpeed is not installed")
+    from tests.fixtures.pp_cases import generate_pipeline
+
+    folder = generate_pipeline()[PLAIN]
+    manifest = ucformat.convert(folder / "ckpt", tmp_path / "s")
+    _check(tmp_path / "s", _truth(folder))
+    tp = manifest.tensor_parallel
+    assert tp is not None and tp.degree == 2
+    assert {split.kind for split in tp.params.values()} == {"replicated"}
+    assert manifest.source.pipeline is not None and manifest.source.pipeline.num_stages == 2
 
 
 class _Plain(torch.nn.Module):
@@ -213,3 +253,33 @@ def test_pp_tp_store_loads_into_a_plain_torch_model(case_dir: Path, store: Path)
         ]
     want = json.loads((case_dir / "losses.json").read_text())[0]
     assert float(torch.stack(losses).mean()) == pytest.approx(want, rel=1e-5)
+
+
+def test_pp_tp_of_plain_layers_loads_at_the_same_and_another_layout(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """The plain-layer store resumes pp2 x tp2 (every model rank its whole copy; DeepSpeed's own
+    load_checkpoint of the checkpoint is the oracle: same state, same next losses, which equal
+    the uninterrupted run's) and pp2 x dp2 without tensor parallelism."""
+    if not deepspeed_available():
+        pytest.skip("DeepSpeed is not installed")
+    from dataclasses import asdict
+
+    from tests.fixtures.pp_cases import by_name, generate_pipeline, run_pipeline_jobs
+
+    folder = generate_pipeline()[PLAIN]
+    work = tmp_path_factory.mktemp("pptp-plain")
+    ucformat.convert(folder / "ckpt", work / "store")
+    common = {"kind": "load", "case": asdict(by_name(PLAIN)), "dir": str(folder),
+              "store": str(work / "store"), "universal": None, "world_size": 4}  # fmt: skip
+    jobs = [
+        {**common, "name": "plain-pp2tp2", "native": True,
+         "target": {"pp": 2, "dp": 1, "mp": 2, "plain": False}},
+        {**common, "name": "plain-pp2dp2",
+         "target": {"pp": 2, "dp": 2, "mp": 1, "plain": False}},
+    ]  # fmt: skip
+    results = run_pipeline_jobs(jobs, work)
+    same = results["plain-pp2tp2"]
+    assert same["failures"] == []
+    assert same["oracle_losses"] == same["losses"] == same["uninterrupted"]
+    assert results["plain-pp2dp2"]["failures"] == []
