@@ -34,12 +34,16 @@ WRAPPERS = {
 }
 
 
-@pytest.mark.parametrize("case", ZERO0)
-def test_zero0_converts_exactly(case: str, ds_grid: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("case", [c.name for c in ZOO])
+def test_zoo_case_converts_exactly(case: str, ds_grid: Path, tmp_path: Path) -> None:
+    """Every master, optimizer state (elementwise, whole, per partition), scalar, counter,
+    buffer and frozen value equals the training job's own; Ulysses SP, ZeRO-Offload and hpZ
+    are ordinary ZeRO checkpoints over their partition ranks."""
     source = ds_grid / case
     manifest = ucformat.convert(source / "ckpt", tmp_path / "store")
-    assert manifest.source.zero_stage == 0
-    assert manifest.source.optimizer_wrapper == WRAPPERS[case]
+    if case in ZERO0:
+        assert manifest.source.zero_stage == 0
+        assert manifest.source.optimizer_wrapper == WRAPPERS[case]
     assert_store_matches_truth(ucformat.open(tmp_path / "store"), load_truth(source))
 
 
