@@ -15,29 +15,24 @@ from typing import Any
 from ucformat.errors import ModelMismatchError, UnsupportedCheckpointError
 from ucformat.format.models import CheckpointManifest
 from ucformat.layout.experts import expert_id, with_expert_id
+from ucformat.layout.tensor_parallel import ShardMap
+from ucformat.sources.deepspeed.tensor_parallel import rank_shards
 
-__all__ = ["global_names", "held_elsewhere"]
+__all__ = ["autoep_shard_maps", "global_names", "held_elsewhere"]
 
 
 def global_names(engine: Any) -> dict[int, str]:
     """``id(param) -> name`` for every parameter of ``engine.module``, experts under global ids.
 
     Raises:
-        UnsupportedCheckpointError: an MoE layer with expert tensor parallelism, or an AutoEP
-            layer (their files and names differ; not supported).
+        UnsupportedCheckpointError: an MoE layer with expert tensor parallelism.
     """
     from deepspeed.moe.layer import MoE
     from deepspeed.utils import groups
 
     offsets: dict[str, int] = {}  # module prefix -> first global expert id of this rank
     for prefix, module in engine.module.named_modules():
-        kind = type(module).__name__
-        if kind == "AutoEPMoELayer":
-            raise UnsupportedCheckpointError(
-                f"'{prefix}' is an AutoEP layer; ucformat loads DeepSpeed native MoE "
-                "(deepspeed.moe.layer.MoE) only."
-            )
-        if not isinstance(module, MoE):
+        if not isinstance(module, MoE):  # AutoEP layers keep their names: autoep_shard_maps
             continue
         if getattr(module, "enable_expert_tensor_parallelism", False):
             raise UnsupportedCheckpointError(
@@ -93,3 +88,34 @@ def held_elsewhere(engine: Any, manifest: CheckpointManifest, wanted: set[str]) 
         )
         if name not in wanted
     }
+
+
+def autoep_shard_maps(engine: Any) -> dict[str, ShardMap] | None:
+    """Per AutoEP expert parameter (``<layer>.experts.w1/w2/w3``), this rank's shard of the full
+    ``(num_experts, ...)`` array, from the affine map DeepSpeed attaches to it (its EP rank's
+    pieces); None without AutoEP layers. A store keeps each expert parameter once in its full
+    shape (:mod:`ucformat.sources.deepspeed.autoep`), so the loader reads this rank's experts
+    through the map, at any EP size.
+
+    Raises:
+        UnsupportedCheckpointError: an expert parameter without DeepSpeed's affine map.
+    """
+    out: dict[str, ShardMap] = {}
+    for prefix, module in engine.module.named_modules():
+        if type(module).__name__ != "AutoEPMoELayer":
+            continue
+        for local, param in module.experts.named_parameters():
+            name = f"{prefix}.experts.{local}" if prefix else f"experts.{local}"
+            meta = getattr(param, "ds_autoep_uc_meta", None)
+            if not isinstance(meta, dict) or "affine_map" not in meta:
+                raise UnsupportedCheckpointError(
+                    f"AutoEP expert parameter '{name}' carries no affine map "
+                    "(ds_autoep_uc_meta); ucformat cannot place its experts."
+                )
+            raw = meta["affine_map"]
+            ranks = raw["ranks"]
+            shards = rank_shards(raw, len(ranks), name)
+            shape, pieces = shards[int(meta["ep_rank"])]
+            logical = tuple(int(d) for d in raw["logical_shape"])
+            out[name] = ShardMap.build(logical, shape, pieces, f"param '{name}'")
+    return out or None

@@ -29,7 +29,7 @@ import torch
 
 from ucformat.collective import NOTHING_LOADED, Group, agree, group, settle
 from ucformat.deepspeed.engine import EngineView, describe_engine, restore_loss_scaler
-from ucformat.deepspeed.experts import held_elsewhere
+from ucformat.deepspeed.experts import autoep_shard_maps, held_elsewhere
 from ucformat.deepspeed.odd_states import plan_odd_states, read_odd_states, write_odd_states
 from ucformat.deepspeed.pipeline import other_stage_names, tied_store_names
 from ucformat.deepspeed.pipeline_tp import pipeline_shard_maps
@@ -212,7 +212,9 @@ def _describe_target(engine: Any, manifest: CheckpointManifest) -> EngineView:
         if is_unpartitioned(engine)
         else describe_engine(engine, renames)
     )
-    view.shard_maps = shard_maps(engine) or pipeline_shard_maps(engine, manifest)
+    view.shard_maps = (
+        shard_maps(engine) or pipeline_shard_maps(engine, manifest) or autoep_shard_maps(engine)
+    )
     return view
 
 

@@ -42,6 +42,7 @@ from ucformat.sources.base import (
     SourceParam,
     frozen_param,
 )
+from ucformat.sources.deepspeed.autoep import AUTOEP_KEY, read_autoep_states, router_aliases
 from ucformat.sources.deepspeed.experts import MOE_KEYS, read_moe_states
 from ucformat.sources.deepspeed.files import (
     ZeroFiles,
@@ -153,7 +154,12 @@ def _describe(
     world_size = files.world_size
     experts: ExpertLayout | None = None
     positional = None
-    if files.experts is not None:  # native MoE: sources/deepspeed/experts.py
+    autoep_tied: dict[str, str] = {}
+    if meta.get(AUTOEP_KEY):  # AutoEP: experts in full arrays (sources/deepspeed/autoep.py)
+        stage = _zero_stage(optim[0], files.per_rank_model_files)
+        flat = read_autoep_states([_model_meta(m) for m in models], optim, world_size, stage)
+        autoep_tied = router_aliases(meta, list(flat.groups))
+    elif files.experts is not None:  # native MoE: sources/deepspeed/experts.py
         if files.per_rank_model_files:
             raise UnsupportedCheckpointError(
                 f"{files.folder}: a ZeRO-3 MoE checkpoint; ucformat reads MoE checkpoints at "
@@ -189,6 +195,7 @@ def _describe(
     module: Mapping[str, Any] = meta["module"]
     train_dtype = _train_dtype(meta.get("ds_config"))
     tied = {str(a): str(o) for a, o in (meta.get("shared_params") or {}).items()}
+    tied = tied or autoep_tied  # AutoEP's router aliases (DeepSpeed records none)
     buffer_names = [str(n) for n in meta.get("buffer_names") or []]
     params = _trainable_params(flat, module, train_dtype)
     params.update(_frozen_params(meta, models, stage, world_size, set(params), tied, buffer_names))

@@ -247,9 +247,16 @@ def read_zero12_states(
 
 
 def read_zero3_states(
-    model_meta: Mapping[str, Any], optim: Sequence[TorchFile], world_size: int
+    model_meta: Mapping[str, Any],
+    optim: Sequence[TorchFile],
+    world_size: int,
+    sub_groups: frozenset[int] | None = None,
 ) -> FlatStates:
-    """Describe the arrays of a ZeRO-3 checkpoint (``DeepSpeedZeroOptimizer_Stage3``)."""
+    """Describe the arrays of a ZeRO-3 checkpoint (``DeepSpeedZeroOptimizer_Stage3``).
+
+    ``sub_groups``: only these (partitioned over ``optim``'s ranks, e.g. one AutoEP rank's
+    expert-data-parallel ranks, so the files' overall ``partition_count`` is not checked).
+    """
     states = FlatStates(wrapper="DeepSpeedZeroOptimizer_Stage3")
     sub_group_shapes = model_meta["param_shapes"]
     states.sub_groups = len(sub_group_shapes)
@@ -259,6 +266,8 @@ def read_zero3_states(
     states.param_groups = [dict(group) for group in first["param_groups"]]
     owner = {sg: g for g, group in enumerate(states.param_groups) for sg in group["params"]}
     for sg, shapes in enumerate(sub_group_shapes):
+        if sub_groups is not None and sg not in sub_groups:
+            continue
         params = _numels(shapes)
         layout = PerParamLayout.build(params, world_size)
         if sg not in owner:
@@ -269,7 +278,7 @@ def read_zero3_states(
             states.groups[name] = owner[sg]
         for handle in optim:
             osd = _key(handle.obj, "optimizer_state_dict", handle)
-            if int(osd.get("partition_count", world_size)) != world_size:
+            if sub_groups is None and int(osd.get("partition_count", world_size)) != world_size:
                 raise LayoutMismatchError(
                     f"{handle.path}: partition_count is {osd['partition_count']} but the folder "
                     f"has {world_size} ranks' shards; files from different runs are mixed."

@@ -44,7 +44,7 @@ from ucformat.sources.deepspeed.files import (
 from ucformat.sources.deepspeed.states import FlatStates, read_zero3_states, read_zero12_states
 from ucformat.sources.torchfile import TorchFile
 
-__all__ = ["find_tensor_parallel_files", "merge_tensor_parallel"]
+__all__ = ["find_tensor_parallel_files", "merge_tensor_parallel", "place_shards", "rank_shards"]
 
 #: The affine-map encoding this reader understands (DeepSpeed's AFFINE_MAP_FORMAT_VERSION).
 AFFINE_MAP_VERSION = 1
@@ -128,7 +128,7 @@ def merge_tensor_parallel(
     for name in first.groups:
         pattern, raw = _match(maps, name)
         logical = tuple(int(d) for d in raw["logical_shape"])
-        shards = _rank_shards(raw, degree, name)
+        shards = rank_shards(raw, degree, name)
         replicated = _is_replicated(shards, logical, degree, name)
         shard_maps = [
             ShardMap.build(logical, shape, pieces, f"param '{name}' tp rank {t}")
@@ -148,7 +148,7 @@ def merge_tensor_parallel(
                     logical, arrays[0].dtype, list(arrays[0].fragments)
                 )
             else:
-                merged.arrays[name][state] = _place(logical, arrays, shard_maps)
+                merged.arrays[name][state] = place_shards(logical, arrays, shard_maps)
         merged.scalars[name] = _scalars(flats, name)
         splits[name] = _describe_split(
             name, logical, shards, replicated, widths_by_pattern.get(pattern),
@@ -208,9 +208,11 @@ def _match(maps: Mapping[str, Any], name: str) -> tuple[str, Mapping[str, Any]]:
     return hits[0], maps[hits[0]]
 
 
-def _rank_shards(
+def rank_shards(
     raw: Mapping[str, Any], degree: int, name: str
 ) -> list[tuple[tuple[int, ...], list[Piece]]]:
+    """Per rank ``0 .. degree - 1``: the shard shape and pieces of one affine-map entry (DeepSpeed's
+    encoding: ``ranks`` keyed by int or str, pieces ``shape``, ``source``, ``dest``)."""
     ranks = raw["ranks"]
     out: list[tuple[tuple[int, ...], list[Piece]]] = []
     for t in range(degree):
@@ -271,9 +273,11 @@ def _states_by_rank(flats: Sequence[FlatStates], name: str) -> dict[str, list[Ar
     return {key: [flat.arrays[name][key] for flat in flats] for key in sorted(keys)}
 
 
-def _place(
+def place_shards(
     logical: tuple[int, ...], arrays: Sequence[ArraySource], maps: Sequence[ShardMap]
 ) -> ArraySource:
+    """The full array of ``logical`` shape from each rank's shard ``arrays[t]`` through its
+    ``maps[t]``."""
     out = ArraySource(logical, arrays[0].dtype)
     for array, shard_map in zip(arrays, maps, strict=True):
         for frag in array.fragments:
