@@ -22,6 +22,7 @@ from ucformat.errors import UnsupportedCheckpointError
 pytestmark = pytest.mark.deepspeed
 
 CASE = "pp2mp2-z1-fp32"
+PLAIN = "pp2mp2-z1-fp32-plain"
 STATES = ("fp32", "exp_avg", "exp_avg_sq")
 #: Layers 0 and 3 column-parallel (dim 0), 1 and 4 row-parallel weights (dim 1), their biases
 #: and the LayerNorms (2, 5) replicated.
@@ -129,9 +130,6 @@ def test_a_refusal_fails_every_process_of_a_distributed_convert(
     assert not (tmp_path / "s" / "ucformat.json").exists()
 
 
-PLAIN = "pp2mp2-z1-fp32-plain"
-
-
 def test_pp_tp_of_plain_layers_converts_without_hints(tmp_path: Path) -> None:
     """Plain layers copied on both model ranks (no split), saved without hints: every copy is
     byte-identical, so each parameter is stored once as replicated, equal to the job's own."""
@@ -172,12 +170,21 @@ def engine_loads(
 ) -> dict[str, Any]:
     from dataclasses import asdict
 
-    from tests.fixtures.pp_cases import by_name, run_pipeline_jobs, to_universal
+    from tests.fixtures.pp_cases import by_name, generate_pipeline, run_pipeline_jobs, to_universal
 
     universal = to_universal({CASE: case_dir})[CASE]
     common = {"kind": "load", "case": asdict(by_name(CASE)), "dir": str(case_dir),
               "store": str(store)}  # fmt: skip
+    plain_dir = generate_pipeline()[PLAIN]  # plain layers, saved without hints
+    plain_store = tmp_path_factory.mktemp("pptp-plain") / "store"
+    ucformat.convert(plain_dir / "ckpt", plain_store)
+    plain = {"kind": "load", "case": asdict(by_name(PLAIN)), "dir": str(plain_dir),
+             "store": str(plain_store), "universal": None, "world_size": 4}  # fmt: skip
     jobs = [
+        {**plain, "name": "plain-pp2tp2", "native": True,
+         "target": {"pp": 2, "dp": 1, "mp": 2, "plain": False}},
+        {**plain, "name": "plain-pp2dp2",
+         "target": {"pp": 2, "dp": 2, "mp": 1, "plain": False}},
         {**common, "name": "plain", "universal": str(universal),
          "target": {"pp": 1, "dp": 1, "plain": True}, "world_size": 1},
         {**common, "name": "pp1tp2", "universal": None,
@@ -256,30 +263,12 @@ def test_pp_tp_store_loads_into_a_plain_torch_model(case_dir: Path, store: Path)
 
 
 def test_pp_tp_of_plain_layers_loads_at_the_same_and_another_layout(
-    tmp_path_factory: pytest.TempPathFactory,
+    engine_loads: dict[str, Any],
 ) -> None:
     """The plain-layer store resumes pp2 x tp2 (every model rank its whole copy; DeepSpeed's own
     load_checkpoint of the checkpoint is the oracle: same state, same next losses, which equal
     the uninterrupted run's) and pp2 x dp2 without tensor parallelism."""
-    if not deepspeed_available():
-        pytest.skip("DeepSpeed is not installed")
-    from dataclasses import asdict
-
-    from tests.fixtures.pp_cases import by_name, generate_pipeline, run_pipeline_jobs
-
-    folder = generate_pipeline()[PLAIN]
-    work = tmp_path_factory.mktemp("pptp-plain")
-    ucformat.convert(folder / "ckpt", work / "store")
-    common = {"kind": "load", "case": asdict(by_name(PLAIN)), "dir": str(folder),
-              "store": str(work / "store"), "universal": None, "world_size": 4}  # fmt: skip
-    jobs = [
-        {**common, "name": "plain-pp2tp2", "native": True,
-         "target": {"pp": 2, "dp": 1, "mp": 2, "plain": False}},
-        {**common, "name": "plain-pp2dp2",
-         "target": {"pp": 2, "dp": 2, "mp": 1, "plain": False}},
-    ]  # fmt: skip
-    results = run_pipeline_jobs(jobs, work)
-    same = results["plain-pp2tp2"]
+    same = engine_loads["plain-pp2tp2"]
     assert same["failures"] == []
     assert same["oracle_losses"] == same["losses"] == same["uninterrupted"]
-    assert results["plain-pp2dp2"]["failures"] == []
+    assert engine_loads["plain-pp2dp2"]["failures"] == []

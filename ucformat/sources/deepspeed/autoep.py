@@ -37,11 +37,16 @@ AUTOEP_KEY = "ds_autoep_layers"
 
 
 def read_autoep_states(
-    metas: Sequence[Mapping[str, Any]], optim: Sequence[TorchFile], world_size: int, stage: int
+    metas: Sequence[Mapping[str, Any]],
+    optim: Sequence[TorchFile],
+    world_size: int,
+    stage: int,
+    model: TorchFile,
 ) -> FlatStates:
     """Every trainable array of an AutoEP checkpoint, the experts in their logical shape.
 
-    ``metas``: the model states (one at ZeRO-1/2; every rank's at ZeRO-3, in rank order).
+    ``metas``: the model states (one at ZeRO-1/2; every rank's at ZeRO-3, in rank order);
+    ``model``: the first model-states file (named in refusals).
 
     Raises:
         UnsupportedCheckpointError: AutoEP with AutoTP folding (``folding_metadata``), several
@@ -51,6 +56,14 @@ def read_autoep_states(
     meta = metas[0]
     layers = list(meta.get(AUTOEP_KEY) or [])
     where = str(optim[0].path)
+    needed = ("ep_size", "num_experts", "affine_maps")
+    broken = [i for i, layer in enumerate(layers) if not all(k in layer for k in needed)]
+    if broken or not layers:
+        raise UnsupportedCheckpointError(
+            f"{model.path}: {AUTOEP_KEY} (AutoEP) lacks {', '.join(needed)} for layer "
+            f"{broken[0] if broken else 0}; ucformat reads the AutoEP layout DeepSpeed 0.19.8 "
+            "writes."
+        )
     if "folding_metadata" in meta or int((meta.get("checkpoint_parallel_dimensions") or {})
                                           .get("tp_degree", 1)) != 1:  # fmt: skip
         raise UnsupportedCheckpointError(

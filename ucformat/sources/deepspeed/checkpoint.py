@@ -157,7 +157,8 @@ def _describe(
     autoep_tied: dict[str, str] = {}
     if meta.get(AUTOEP_KEY):  # AutoEP: experts in full arrays (sources/deepspeed/autoep.py)
         stage = _zero_stage(optim[0], files.per_rank_model_files)
-        flat = read_autoep_states([_model_meta(m) for m in models], optim, world_size, stage)
+        metas = [_model_meta(m) for m in models]
+        flat = read_autoep_states(metas, optim, world_size, stage, models[0])
         autoep_tied = router_aliases(meta, list(flat.groups))
     elif files.experts is not None:  # native MoE: sources/deepspeed/experts.py
         if files.per_rank_model_files:
