@@ -11,7 +11,6 @@ __all__ = [
     "BUFFER_STATE",
     "FORMAT_NAME",
     "FLAT_CHUNKS_VERSION",
-    "BOX_CHUNKS_VERSION",
     "FORMAT_VERSION",
     "FP32_STATE",
     "MANIFEST_KEY",
