@@ -23,7 +23,7 @@ from ucformat.layout.partition import PartitionedFlatLayout, PerParamLayout
 from ucformat.layout.tensor_parallel import ShardMap
 from ucformat.read.partitions import FlatTarget
 
-__all__ = ["EngineView", "describe_engine", "engine_names", "restore_loss_scaler"]
+__all__ = ["EngineView", "describe_engine", "engine_names", "name_of", "restore_loss_scaler"]
 
 #: Attributes DeepSpeed's ZeRO loss scalers (``DynamicLossScaler``) and the ZeRO-0 fp16
 #: wrappers' ``LossScaleConfig`` both have, with the same meaning.
@@ -181,7 +181,8 @@ def describe_engine(engine: Any, renames: Mapping[str, str] | None = None) -> En
     )
 
 
-def _name_of(names: dict[int, str], param: torch.Tensor) -> str:
+def name_of(names: dict[int, str], param: torch.Tensor) -> str:
+    """The store name of ``param`` (an engine optimizer parameter must be in ``engine.module``)."""
     name = names.get(id(param))
     if name is None:
         raise UnsupportedCheckpointError(
@@ -205,7 +206,7 @@ def _zero12(engine: Any, wrapper: Any, names: dict[int, str]) -> EngineView:
     fp32: list[torch.Tensor] = []
     for index, params in enumerate(wrapper.round_robin_bit16_groups):
         rank, world = _group_rank(wrapper.real_dp_process_group[index])
-        members = [(_name_of(names, p), p.numel()) for p in params]
+        members = [(name_of(names, p), p.numel()) for p in params]
         pads = list(wrapper.round_robin_bit16_padding[index])
         layout = PartitionedFlatLayout.build(members, world, pads)
         partition = wrapper.single_partition_of_fp32_groups[index]
@@ -222,7 +223,7 @@ def _bf16(engine: Any, wrapper: Any, names: dict[int, str]) -> EngineView:
     for index, params in enumerate(wrapper.bf16_groups):
         rank, world = _group_rank(wrapper.real_dp_process_group[index])
         layout = PartitionedFlatLayout.build(
-            [(_name_of(names, p), p.numel()) for p in params], world
+            [(name_of(names, p), p.numel()) for p in params], world
         )
         partition = wrapper.fp32_groups_flat_partition[index]
         _check_length("BF16_Optimizer", index, layout.partition_size, partition.numel())
@@ -241,7 +242,7 @@ def _zero3(engine: Any, wrapper: Any, names: dict[int, str]) -> EngineView:
     fp32: list[torch.Tensor] = []
     for index, params in enumerate(wrapper.fp16_groups):
         rank, world = _group_rank(wrapper._get_param_partition_group(params[0]))
-        layout = PerParamLayout.build([(_name_of(names, p), p.ds_numel) for p in params], world)
+        layout = PerParamLayout.build([(name_of(names, p), p.ds_numel) for p in params], world)
         for slot, param in zip(layout.slots, params, strict=True):
             if layout.piece_size(slot.numel) != param.ds_tensor.ds_numel:
                 raise LayoutMismatchError(

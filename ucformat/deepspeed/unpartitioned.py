@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from ucformat.deepspeed.engine import EngineView, engine_names
+from ucformat.deepspeed.engine import EngineView, engine_names, name_of
 from ucformat.errors import UnsupportedCheckpointError
 from ucformat.layout.partition import PerParamLayout
 from ucformat.read.partitions import FlatTarget
@@ -88,16 +88,6 @@ def is_unpartitioned(engine: Any) -> bool:
     return bare_or_fp16 and stage == 0
 
 
-def _name(names: dict[int, str], param: torch.Tensor) -> str:
-    name = names.get(id(param))
-    if name is None:
-        raise UnsupportedCheckpointError(
-            "the engine's optimizer holds a parameter that is not in engine.module; "
-            "ucformat matches parameters by name and cannot load it."
-        )
-    return name
-
-
 def describe_unpartitioned(
     engine: Any, renames: Mapping[str, str] | None = None
 ) -> UnpartitionedView:
@@ -116,7 +106,7 @@ def describe_unpartitioned(
         for index, (params, flat) in enumerate(
             zip(wrapper.fp16_groups, wrapper.fp32_groups_flat, strict=True)
         ):
-            members = [(_name(names, p), p.numel()) for p in params]
+            members = [(name_of(names, p), p.numel()) for p in params]
             layout = PerParamLayout.build(members, 1)
             view.targets.append(FlatTarget(index, index, layout, 0, flat.numel()))
             view.fp32.append(flat.data.view(-1))
@@ -127,7 +117,7 @@ def describe_unpartitioned(
         pairs = zip(wrapper.fp16_groups, wrapper.fp32_groups, strict=True)
         for index, (params, masters) in enumerate(pairs):
             for param, master in zip(params, masters, strict=True):
-                layout = PerParamLayout.build([(_name(names, param), param.numel())], 1)
+                layout = PerParamLayout.build([(name_of(names, param), param.numel())], 1)
                 view.targets.append(FlatTarget(len(view.targets), index, layout, 0, param.numel()))
                 view.fp32.append(master.data.view(-1))
                 view.params.append(master)
@@ -135,7 +125,7 @@ def describe_unpartitioned(
         return view
     for group_index, group in enumerate(wrapper.param_groups):
         for param in group["params"]:
-            name = _name(names, param)
+            name = name_of(names, param)
             if param.dtype != torch.float32:
                 raise UnsupportedCheckpointError(
                     f"ZeRO-0 engine param '{name}' is {param.dtype} under a bare "

@@ -26,6 +26,7 @@ from typing import Any
 from ucformat.errors import LayoutMismatchError, UnsupportedCheckpointError
 from ucformat.layout.experts import ExpertRanks
 from ucformat.layout.tensor_parallel import ShardMap
+from ucformat.sources.deepspeed.experts import expert_group
 from ucformat.sources.deepspeed.states import FlatStates, read_zero3_states, read_zero12_states
 from ucformat.sources.deepspeed.tensor_parallel import place_shards, rank_shards
 from ucformat.sources.torchfile import TorchFile
@@ -125,15 +126,8 @@ def _zero12(
     layers: Sequence[Mapping[str, Any]],
     where: str,
 ) -> tuple[FlatStates, list[FlatStates]]:
-    osd = optim[0].obj["optimizer_state_dict"]
-    groups = osd["base_optimizer_state"]["param_groups"]
-    expert = [g for g, group in enumerate(groups) if group.get("moe")]
-    if len(expert) != 1:
-        raise UnsupportedCheckpointError(
-            f"{where}: {len(expert)} expert optimizer groups; ucformat reads AutoEP checkpoints "
-            "with one expert group."
-        )
-    g = expert[0]
+    groups = optim[0].obj["optimizer_state_dict"]["base_optimizer_state"]["param_groups"]
+    g = expert_group(optim[0], "AutoEP")
     others = frozenset(range(len(groups))) - {g}
     dense = read_zero12_states(meta, optim, world_size, skip_groups=frozenset({g}))
     data_before = bool((meta.get("ds_config") or {}).get("use_data_before_expert_parallelism"))

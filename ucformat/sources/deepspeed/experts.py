@@ -45,7 +45,14 @@ from ucformat.sources.deepspeed.positional import (
 from ucformat.sources.deepspeed.states import FlatStates, read_zero12_states
 from ucformat.sources.torchfile import TensorRef, TorchFile
 
-__all__ = ["MOE_KEYS", "ExpertFiles", "MoeStates", "find_expert_files", "read_moe_states"]
+__all__ = [
+    "MOE_KEYS",
+    "ExpertFiles",
+    "MoeStates",
+    "expert_group",
+    "find_expert_files",
+    "read_moe_states",
+]
 
 #: Top-level model-states keys an MoE engine adds (not client state).
 MOE_KEYS = frozenset({"num_experts", "ds_autoep_layers"})
@@ -325,13 +332,8 @@ def _zero12_states(
     """ZeRO-1/2: the dense groups as usual, each expert group per EP rank, renamed to global ids."""
     first = optim[0].obj["optimizer_state_dict"]
     groups = first["base_optimizer_state"]["param_groups"]
-    moe_groups = [g for g, group in enumerate(groups) if group.get("moe")]
-    if len(moe_groups) != 1:
-        raise UnsupportedCheckpointError(
-            f"{optim[0].path}: {len(moe_groups)} expert optimizer groups; ucformat reads MoE "
-            "checkpoints with exactly one expert group (one ep_size) only."
-        )
-    g = moe_groups[0]
+    g = expert_group(optim[0], "MoE")
+    moe_groups = [g]
     world_size = len(optim)
     states = read_zero12_states(meta, optim, world_size, skip_groups=frozenset(moe_groups))
     counts = first.get("partition_count")
@@ -401,6 +403,22 @@ def _zero12_states(
                 )
     _order_groups(states, layers)
     return states, layout
+
+
+def expert_group(shard: TorchFile, what: str) -> int:
+    """The index of the one expert optimizer group (``'moe': True``) of a ZeRO-1/2 shard.
+
+    Raises:
+        UnsupportedCheckpointError: none, or several (layers with different EP sizes).
+    """
+    groups = shard.obj["optimizer_state_dict"]["base_optimizer_state"]["param_groups"]
+    found = [g for g, group in enumerate(groups) if group.get("moe")]
+    if len(found) != 1:
+        raise UnsupportedCheckpointError(
+            f"{shard.path}: {len(found)} expert optimizer groups; ucformat reads {what} "
+            "checkpoints with exactly one expert group (one EP size) only."
+        )
+    return found[0]
 
 
 def _order_groups(states: FlatStates, layers: Sequence[ExpertLayer]) -> None:
