@@ -1,9 +1,11 @@
-"""The ``ucformat`` command's entry point: Ctrl-C at any moment gives one line and exit code 130.
+"""The ``ucformat`` command's entry point: Ctrl-C at any moment gives one line and an exit code
+that tells the truth.
 
 A command's own wrapper (:func:`ucformat_cli._errors.interruptible`) says what an interrupt left
-on disk. An interrupt outside every command body (during the imports, while Typer parses the
-arguments, or after the command returned) is caught here; Typer would otherwise exit 130 in
-silence, and Python print a traceback.
+on disk (exit code 130, or 0 when its write had been committed). An interrupt outside every
+command body is caught here: during the imports or while Typer parses the arguments (130:
+nothing was written), or after the command returned (the command's own exit code: what it
+printed stands). Typer would otherwise exit 130 in silence, and Python print a traceback.
 """
 
 from __future__ import annotations
@@ -18,6 +20,12 @@ def _phase() -> str:
     """The command's phase (:func:`ucformat_cli._errors.command_phase`); "" before it loaded."""
     errors = sys.modules.get("ucformat_cli._errors")
     return str(errors.command_phase()) if errors is not None else ""
+
+
+def _ended_with() -> int:
+    """The exit code the finished command chose (:func:`ucformat_cli._errors.ended_with`)."""
+    errors = sys.modules.get("ucformat_cli._errors")
+    return int(errors.ended_with()) if errors is not None else 0
 
 
 def _outside_a_command(phase: str) -> str:
@@ -39,4 +47,6 @@ def run() -> None:
         phase = _phase()
         if exc.code == INTERRUPTED and phase != "interrupted":
             print(_outside_a_command(phase), file=sys.stderr, flush=True)
+            if phase == "finished":  # its work is done: exit as it would have
+                raise SystemExit(_ended_with()) from None
         raise

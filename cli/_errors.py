@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import ParamSpec, TypeVar
 
 import typer
@@ -22,6 +23,18 @@ stderr = Console(stderr=True, highlight=False, soft_wrap=True)
 
 #: Where the running command is: "running", "finished" or "interrupted" (empty: not started).
 _PHASE: list[str] = []
+#: The exit code the command ended with (for an interrupt that lands after it ended).
+_ENDED_WITH: list[int] = []
+
+
+@dataclass(frozen=True)
+class Left:
+    """What an interrupted command left on disk: the line to print, and whether its write had
+    been committed (the command then exits 0: its work is done, only its last lines may be
+    missing)."""
+
+    said: str
+    committed: bool = False
 
 
 def command_phase() -> str:
@@ -29,9 +42,15 @@ def command_phase() -> str:
     return _PHASE[-1] if _PHASE else ""
 
 
+def ended_with() -> int:
+    """The exit code of the command that finished (0 if it has not said otherwise)."""
+    return _ENDED_WITH[-1] if _ENDED_WITH else 0
+
+
 def fail(message: str) -> typer.Exit:
     """Print ``error: message`` on stderr and return the exit to raise."""
     stderr.print(f"[bold red]error:[/] {escape(message)}", markup=True)
+    _ENDED_WITH.append(USER_ERROR)
     return typer.Exit(code=USER_ERROR)
 
 
@@ -41,10 +60,11 @@ def user_errors(command: Callable[P, R]) -> Callable[P, R]:
 
 
 def interruptible(
-    on_interrupt: Callable[[dict[str, object]], str] | None,
+    on_interrupt: Callable[[dict[str, object]], Left] | None,
 ) -> Callable[[Callable[P, R]], Callable[P, R]]:
-    """:func:`user_errors`, and Ctrl-C -> one line, exit code 130, where
-    ``on_interrupt(kwargs)`` says what is left on disk."""
+    """:func:`user_errors`, and Ctrl-C -> one line saying what is left on disk
+    (``on_interrupt(kwargs)``, read from the disk): exit code 130, or 0 when the write had
+    been committed before the interrupt landed."""
 
     def decorate(command: Callable[P, R]) -> Callable[P, R]:
         @functools.wraps(command)
@@ -62,9 +82,17 @@ def interruptible(
                     "out of memory: the request needs more memory than this machine has; "
                     "read less at a time (e.g. a slice or one parameter)."
                 ) from None
+            except typer.Exit as exc:  # the command's own exit code (verify's 1)
+                _ENDED_WITH.append(exc.exit_code)
+                raise
             except KeyboardInterrupt:
+                left = on_interrupt(dict(kwargs)) if on_interrupt is not None else Left("")
+                if left.committed:
+                    _PHASE.append("finished")
+                    stderr.print(f"interrupted after the commit: {left.said}", markup=False)
+                    raise typer.Exit(code=0) from None
                 _PHASE.append("interrupted")
-                said = on_interrupt(dict(kwargs)) if on_interrupt is not None else ""
+                said = left.said
                 stderr.print(f"interrupted: {said}" if said else "interrupted", markup=False)
                 raise typer.Exit(code=130) from None
             finally:

@@ -17,9 +17,11 @@ from rich.progress import (
 
 from ucformat.format.summary import format_bytes
 
-from ._errors import interruptible
+from ._errors import Left, interruptible
 
 if TYPE_CHECKING:
+    from ucformat.format.models import CheckpointManifest
+    from ucformat.write.convert import ConvertSettings
     from ucformat.write.plan import ConvertPlan
 
 _KIB = 1024
@@ -29,27 +31,26 @@ _FORMATS = {
     "megatron-torch_dist": "Megatron-Core torch_dist",
     "torch-checkpointing": "torch_checkpointing",
 }
-#: Set once the convert has committed (what a later Ctrl-C message says).
-_COMMITTED: list[bool] = []
 
 
-def _interrupted(options: dict[str, object]) -> str:
-    """The Ctrl-C message: what is left on disk (docs/format.md §6.2)."""
+def _interrupted(options: dict[str, object]) -> Left:
+    """The Ctrl-C line: what is really on disk at DST, read from the disk (docs/format.md §6.2);
+    a write this process had committed makes the command exit 0."""
+    from ucformat.store.destination import left_on_disk, was_committed
     from ucformat.store.locations import local_directory
 
     dst = str(options.get("dst"))
-    if any(_COMMITTED):
-        left = f"the store was committed before the interrupt; {dst} is complete"
-    elif options.get("dry_run"):
-        left = "nothing was written"
-    elif local_directory(dst) is not None:
-        left = f"nothing was committed; {dst} is as it was (the staged write beside it was removed)"
-    else:
-        left = (
-            f"nothing was committed; {dst} holds an uncommitted store that readers refuse "
-            "(re-run with --overwrite)"
-        )
-    return f"{left}."
+    if options.get("dry_run"):
+        return Left("nothing was written.")
+    committed = was_committed(dst)
+    if local_directory(dst) is not None:
+        return Left(f"{left_on_disk(dst)}.", committed)
+    if committed:
+        return Left(f"the write was committed before the interrupt; {dst} is complete.", True)
+    return Left(
+        f"nothing was committed; {dst} may hold an uncommitted store, which readers refuse "
+        "(re-run with --overwrite).",
+    )
 
 
 @interruptible(_interrupted)
@@ -72,10 +73,14 @@ def convert_command(
         bool, typer.Option("--dry-run", help="Plan and validate; write nothing.")
     ] = False,
     chunk_kib: Annotated[
-        int | None, typer.Option(help="Inner chunk target in KiB (read granularity).", min=1)
+        int | None,
+        typer.Option(help="Inner chunk target in KiB (read granularity) [default: 64].", min=1),
     ] = None,
     shard_mib: Annotated[
-        int | None, typer.Option(help="Shard target in MiB (object size).", min=1)
+        int | None,
+        typer.Option(
+            help="Shard target in MiB (object size) [default: 16, at least one chunk].", min=1
+        ),
     ] = None,
     compress: Annotated[str, typer.Option(help="Chunk compression: none or zstd.")] = "none",
     tp_max: Annotated[
@@ -142,7 +147,7 @@ def convert_command(
     SRC DST. Without it, the convert runs in this process only, even when torchrun's
     environment (WORLD_SIZE, RANK, MASTER_ADDR) is set.
     """
-    from ucformat.write.convert import ConvertHooks, convert
+    from ucformat.write.convert import ConvertHooks, ConvertSettings, run_convert
     from ucformat.write.distributed_convert import launched_distributed
     from ucformat.write.execute import DEFAULT_WORKERS
 
@@ -152,20 +157,26 @@ def convert_command(
             "'torchrun --nproc_per_node N -m ucformat_cli convert --distributed SRC DST'",
             param_hint="--distributed",
         )
-    if distributed and head_dim is not None:
-        raise typer.BadParameter(
-            "not with --distributed (convert the fuse_qkv checkpoint in one process)",
-            param_hint="--head-dim",
-        )
-    if distributed and not dry_run:
-        _convert_distributed(
-            src, dst, tag, overwrite, chunk_kib, shard_mib, compress, workers, opaque_global,
-            tp_max,
-        )  # fmt: skip
-        return
-
     if compress not in ("none", "zstd"):
         raise typer.BadParameter("must be 'none' or 'zstd'", param_hint="--compress")
+    settings = ConvertSettings(  # every option, for either convert: none can be dropped
+        tag=tag,
+        overwrite=overwrite,
+        chunk_bytes=chunk_kib * _KIB if chunk_kib else None,
+        shard_bytes=shard_mib * _KIB * _KIB if shard_mib else None,
+        compressor=compress,
+        tp_max=tp_max,
+        workers=workers or DEFAULT_WORKERS,
+        opaque_globals=tuple(opaque_global or ()),
+        check_source=not no_check_source,
+        model_key=model_key,
+        optimizer_key=optimizer_key,
+        head_dim=head_dim,
+    )
+    if distributed and not dry_run:
+        _convert_distributed(src, dst, settings)
+        return
+
     console = Console(stderr=True)
     started = time.perf_counter()
     planned: list[ConvertPlan] = []
@@ -185,47 +196,44 @@ def convert_command(
             planned.append(plan)
             bar.update(task, total=plan.nbytes)
 
-        manifest = convert(
+        manifest = run_convert(
             src,
             dst,
-            tag=tag,
-            overwrite=overwrite,
+            settings,
             dry_run=dry_run,
-            chunk_bytes=chunk_kib * _KIB if chunk_kib else None,
-            shard_bytes=shard_mib * _KIB * _KIB if shard_mib else None,
-            compressor=compress,
-            workers=workers or DEFAULT_WORKERS,
-            opaque_globals=opaque_global or (),
-            check_source=not no_check_source,
             hooks=ConvertHooks(
                 on_plan=on_plan,
                 on_bytes=lambda n: bar.advance(task, n),
                 on_phase=lambda phase: bar.update(task, description=phase),
             ),
-            model_key=model_key,
-            optimizer_key=optimizer_key,
-            tp_max=tp_max,
-            head_dim=head_dim,
         )
-        _COMMITTED.append(not dry_run)
     plan = planned[0]
-    source = manifest.source
     shards = len(plan.units)
     what = "would write" if dry_run else "wrote"
-    origin = (
-        f"DeepSpeed ZeRO-{source.zero_stage} x{source.world_size} {source.train_dtype} "
-        f"(tag {source.tag})"
-        if source.framework == "deepspeed"
-        else f"Hugging Face safetensors {source.train_dtype}"
-        if source.checkpoint_format == "safetensors"
-        else f"{_FORMATS.get(source.checkpoint_format or '', 'PyTorch DCP')} "
-        f"x{source.world_size} {source.train_dtype}"
-    )
     typer.echo(
         f"{what} {len(plan.arrays)} arrays ({shards} shards, {format_bytes(plan.nbytes)}) for "
-        f"{len(manifest.params)} params from {origin} to {dst} in "
+        f"{len(manifest.params)} params from {_origin(manifest)} to {dst} in "
         f"{time.perf_counter() - started:.2f}s"
     )
+    _notes(manifest)
+
+
+def _origin(manifest: CheckpointManifest) -> str:
+    """What the store was converted from, for the summary line (either convert)."""
+    source = manifest.source
+    if source.framework == "deepspeed":
+        return (
+            f"DeepSpeed ZeRO-{source.zero_stage} x{source.world_size} {source.train_dtype} "
+            f"(tag {source.tag})"
+        )
+    if source.checkpoint_format == "safetensors":
+        return f"Hugging Face safetensors {source.train_dtype}"
+    kind = _FORMATS.get(source.checkpoint_format or "", "PyTorch DCP")
+    return f"{kind} x{source.world_size} {source.train_dtype}"
+
+
+def _notes(manifest: CheckpointManifest) -> None:
+    """What the store could not carry as it was, said on stderr (either convert)."""
     if manifest.client_state.unrepresentable:
         kept_out = ", ".join(f"{k} ({t})" for k, t in manifest.client_state.unrepresentable.items())
         typer.echo(f"note: client state kept by key and type only: {kept_out}", err=True)
@@ -234,40 +242,16 @@ def convert_command(
         typer.echo(f"note: model only, no optimizer state: {megatron.optimizer_note}", err=True)
 
 
-def _convert_distributed(
-    src: str,
-    dst: str,
-    tag: str | None,
-    overwrite: bool,
-    chunk_kib: int | None,
-    shard_mib: int | None,
-    compress: str,
-    workers: int | None,
-    opaque_global: list[str] | None,
-    tp_max: int | None = None,
-) -> None:
+def _convert_distributed(src: str, dst: str, settings: ConvertSettings) -> None:
     """One process of ``torchrun -m ucformat_cli convert``: rank 0 prints the summary."""
     from ucformat.write.distributed_convert import convert_distributed
-    from ucformat.write.execute import DEFAULT_WORKERS
 
     started = time.perf_counter()
-    report = convert_distributed(
-        src,
-        dst,
-        tag=tag,
-        overwrite=overwrite,
-        chunk_bytes=chunk_kib * _KIB if chunk_kib else None,
-        shard_bytes=shard_mib * _KIB * _KIB if shard_mib else None,
-        compressor=compress,
-        workers=workers or DEFAULT_WORKERS,
-        opaque_globals=opaque_global or (),
-        tp_max=tp_max,
-    )
+    report = convert_distributed(src, dst, settings)
     if report.committed and report.manifest is not None:
-        source = report.manifest.source
         typer.echo(
-            f"wrote {len(report.manifest.params)} params from DeepSpeed ZeRO-{source.zero_stage} "
-            f"x{source.world_size} {source.train_dtype} (tag {source.tag}) to {dst} in "
-            f"{time.perf_counter() - started:.2f}s (rank 0 of a distributed convert: "
+            f"wrote {len(report.manifest.params)} params from {_origin(report.manifest)} to "
+            f"{dst} in {time.perf_counter() - started:.2f}s (rank 0 of a distributed convert: "
             f"{report.units_written} shards, {format_bytes(report.bytes_written)} written here)"
         )
+        _notes(report.manifest)

@@ -15,7 +15,7 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColu
 
 from ucformat.errors import UnsupportedExportError
 
-from ._errors import user_errors
+from ._errors import Left, interruptible
 from ._plain import PlainCommand
 
 if TYPE_CHECKING:  # the exporters (and torch) are imported by the command that runs
@@ -44,6 +44,26 @@ Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar.")]
 Dtype = Annotated[
     str | None, typer.Option(help="Training/output dtype of the weights: fp32, bf16 or fp16.")
 ]
+
+
+def _interrupted(options: dict[str, object]) -> Left:
+    """The Ctrl-C line: what is really at OUT, read from the disk (docs/format.md §6.2); an
+    export this process had committed makes the command exit 0."""
+    from ucformat.store.destination import left_on_disk, was_committed
+    from ucformat.store.locations import local_directory
+
+    out = str(options.get("out"))
+    if options.get("dry_run"):
+        return Left("nothing was written.")
+    committed = was_committed(out)
+    if local_directory(out) is not None:
+        return Left(f"{left_on_disk(out)}.", committed)
+    if committed:
+        return Left(f"the export was complete before the interrupt; {out} holds it.", True)
+    return Left(
+        f"nothing was committed; objects uploaded to {out} before the interrupt may remain, "
+        "without the files that mark a finished export (re-run with --overwrite).",
+    )
 
 
 @contextmanager
@@ -87,7 +107,7 @@ def _run(
     _report(result)
 
 
-@user_errors
+@interruptible(_interrupted)
 def safetensors_command(
     store: Store,
     out: Out,
@@ -135,7 +155,7 @@ def safetensors_command(
     )
 
 
-@user_errors
+@interruptible(_interrupted)
 def universal_command(
     store: Store,
     out: Out,
@@ -172,7 +192,7 @@ def _config(path: Path | None) -> dict[str, Any] | None:
     return config
 
 
-@user_errors
+@interruptible(_interrupted)
 def deepspeed_command(
     store: Store,
     out: Out,
@@ -279,7 +299,7 @@ def deepspeed_command(
     )
 
 
-@user_errors
+@interruptible(_interrupted)
 def dcp_command(
     store: Store,
     out: Out,
@@ -318,7 +338,7 @@ def dcp_command(
     )
 
 
-@user_errors
+@interruptible(_interrupted)
 def accelerate_command(
     store: Store,
     out: Out,

@@ -18,6 +18,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from ucformat.write.convert import ConvertSettings
 from ucformat.write.distributed_convert import convert_distributed
 
 
@@ -27,7 +28,7 @@ def main() -> int:
     dist.init_process_group("gloo")
     dist.barrier()
     started = time.perf_counter()
-    report = convert_distributed(src, dst, overwrite=True)
+    report = convert_distributed(src, dst, ConvertSettings(overwrite=True))
     seconds = torch.tensor([time.perf_counter() - started], dtype=torch.float64)
     dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
     if dist.get_rank() == 0:

@@ -8,6 +8,7 @@ and leave no committed store.
 
 from __future__ import annotations
 
+import json
 import subprocess
 from pathlib import Path
 
@@ -65,3 +66,79 @@ def test_one_failing_process_fails_all_and_commits_nothing(tmp_path: Path) -> No
     assert f'File "{REPO_ROOT / "ucformat"}' not in done.stderr
     with pytest.raises((IncompleteStoreError, NotAStoreError, SourceNotFoundError)):
         ucformat.open(spread)
+
+
+def _dcp_with_own_keys(folder: Path) -> None:
+    """A real ``dcp.save`` of a model and its AdamW state under the keys 'net' and 'opt' (none
+    of the layouts the reader knows by default: they must be named)."""
+    import warnings
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(3, 8)).sum().backward()
+    optimizer.step()
+    flat = StateDictOptions(flatten_optimizer_state_dict=True)
+    state = {
+        "net": get_model_state_dict(model),
+        "opt": get_optimizer_state_dict(model, optimizer, options=flat),
+    }
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "no process group: saving as a single process"
+        dcp.save(state, checkpoint_id=folder)
+
+
+def test_every_option_reaches_the_distributed_convert(tmp_path: Path) -> None:
+    """--model-key, --optimizer-key and --no-check-source mean under --distributed what they
+    mean in one process (one ConvertSettings, one reader call), and the summary names the
+    source's kind; three commands in one torchrun launch."""
+    from tests.integration.test_source_crc import damaged_copy
+
+    dcp_source = tmp_path / "dcp"
+    _dcp_with_own_keys(dcp_source)
+    damaged, _ = damaged_copy(tmp_path)
+    keys, unchecked, checked = (tmp_path / f"{name}.ucf" for name in ("keys", "no-crc", "crc"))
+    spec = tmp_path / "jobs.json"
+    spec.write_text(
+        json.dumps(
+            {
+                "commands": [
+                    ["convert", "--distributed", str(dcp_source), str(keys), "-q",
+                     "--model-key", "net", "--optimizer-key", "opt"],
+                    ["convert", "--distributed", str(damaged), str(unchecked), "-q",
+                     "--no-check-source"],
+                    ["convert", "--distributed", str(damaged), str(checked), "-q"],
+                ],
+                "result": str(tmp_path / "results"),
+            }
+        )
+    )  # fmt: skip
+    worker = REPO_ROOT / "tests" / "fixtures" / "_cli_jobs_worker.py"
+    done = run_in_group(torchrun_command(2, [str(worker), "--jobs", str(spec)]), timeout_s=600)
+    assert done.returncode == 0, "the launch failed"
+    ranks = [json.loads((tmp_path / f"results.rank{r}.json").read_text()) for r in range(2)]
+    (named, no_crc, crc) = zip(*ranks, strict=True)
+
+    assert [r["code"] for r in named] == [0, 0], named
+    assert "from PyTorch DCP x1 float32" in named[0]["stdout"], named[0]
+    single = tmp_path / "single-keys.ucf"
+    ucformat.convert(dcp_source, single, model_key="net", optimizer_key="opt")
+    assert _objects(keys) == _objects(single)
+
+    assert [r["code"] for r in no_crc] == [0, 0], no_crc  # the damaged byte is converted
+    single = tmp_path / "single-no-crc.ucf"
+    ucformat.convert(damaged, single, check_source=False)
+    assert _objects(unchecked) == _objects(single)
+
+    assert [r["code"] for r in crc] == [2, 2], crc  # by default the same source is refused
+    assert "fails its CRC-32" in crc[0]["stderr"], crc[0]
+    with pytest.raises((IncompleteStoreError, NotAStoreError, SourceNotFoundError)):
+        ucformat.open(checked)

@@ -12,6 +12,7 @@ import pytest
 from ucformat.errors import StoreExistsError
 from ucformat.export import native_export
 from ucformat.export.common import ExportHooks, Stopwatch
+from ucformat.export.destination import export_session
 from ucformat.export.native_export import NativeExport, run_native_export
 
 
@@ -34,7 +35,8 @@ def _export(calls: list[Any]) -> NativeExport[Any]:
 
     def write(ckpt: Any, plan: _Plan, classes: Any, tag_dir: Path, hooks: ExportHooks) -> list:
         calls.append(("write", tag_dir.name, classes))
-        assert (tag_dir.parent / "latest").read_text() != plan.target.tag  # latest comes last
+        latest = tag_dir.parent / "latest"  # written after the files (and moved in last)
+        assert not latest.exists() or latest.read_text() != plan.target.tag
         (tag_dir / "a.pt").write_bytes(b"x")
         hooks.advance(12)
         return ["from the files"]
@@ -83,7 +85,8 @@ def test_a_write_fills_the_tag_folder_then_repoints_latest(
     calls: list[Any] = []
     seen: list[int] = []
     hooks = ExportHooks(on_plan=seen.append, on_bytes=seen.append)
-    result = _run(run, calls, tag="new", remove_previous=True, hooks=hooks)
+    with export_session():  # what the export entry points open (export/destination.py)
+        result = _run(run, calls, tag="new", remove_previous=True, hooks=hooks)
     assert calls == [("plan", "new"), ("write", "new", "classes:deepspeed")]
     assert seen == [12, 12]
     assert (run / "latest").read_text() == "new"

@@ -23,7 +23,7 @@ from pathlib import Path
 from ucformat.errors import StoreExistsError
 from ucformat.export.common import ExportHooks, ExportResult
 from ucformat.export.dcp import export_dcp
-from ucformat.export.replace import transactional
+from ucformat.export.destination import stage, transactional
 from ucformat.read.checkpoint import UniversalCheckpoint
 from ucformat.store.keys import StoreLike
 
@@ -72,17 +72,26 @@ def export_accelerate(
     """
     folder = Path(out)
     model_name, optim_name = MODEL_FOLDER.format(index=index), OPTIMIZER_FOLDER.format(index=index)
-    model_dir, optim_dir = folder / model_name, folder / optim_name
-    for sub in (model_dir, optim_dir):
-        if sub.exists() and any(sub.iterdir()) and not overwrite:
-            raise StoreExistsError(
-                f"{sub}: exists and is not empty; pass --overwrite to replace the model and "
-                "optimizer folders (the folder's other files are kept)."
-            )
-    if not dry_run:
-        for sub in (model_dir, optim_dir):
-            shutil.rmtree(sub, ignore_errors=True)
-        folder.mkdir(parents=True, exist_ok=True)
+
+    def check(folder: Path) -> None:
+        for sub in (folder / model_name, folder / optim_name):
+            if sub.exists() and any(sub.iterdir()) and not overwrite:
+                raise StoreExistsError(
+                    f"{sub}: exists and is not empty; pass --overwrite to replace the model and "
+                    "optimizer folders (the folder's other files are kept)."
+                )
+
+    if dry_run:
+        if folder.is_dir():
+            check(folder)
+        staged = folder
+    else:
+        staged = stage(
+            folder,
+            owned=lambda name: name in (model_name, optim_name),
+            check=lambda folder: check(folder) if folder.is_dir() else None,
+        )
+    model_dir, optim_dir = staged / model_name, staged / optim_name
     result = export_dcp(
         store, model_dir, world_size=world_size, layout="nested", dry_run=dry_run, hooks=hooks
     )
@@ -92,9 +101,10 @@ def export_accelerate(
         for child in sorted(model_dir.iterdir()):
             _link_or_copy(child, optim_dir / child.name)
     files += [f"{optim_name}/{name}" for name in result.files]
+    inner = result.summary.replace(str(model_dir), str(folder / model_name))
     summary = (
         f"Accelerate save_state folder ({model_name}/, {optim_name}/): "
-        f"{result.summary}); resume with accelerator.load_state({str(folder)!r})"
+        f"{inner}); resume with accelerator.load_state({str(folder)!r})"
     )
     return ExportResult(
         "accelerate", folder, files, result.nbytes, dry_run, result.seconds, summary,

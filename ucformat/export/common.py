@@ -7,18 +7,15 @@ streaming reads through :class:`~ucformat.read.checkpoint.UniversalCheckpoint`.
 
 from __future__ import annotations
 
-import os
 import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import torch
 
-from ucformat.errors import StoreExistsError, UnsupportedExportError
-from ucformat.export.replace import begin, file_writes, remove_entry
+from ucformat.errors import UnsupportedExportError
 from ucformat.read.checkpoint import UniversalCheckpoint, open_checkpoint
 from ucformat.store.keys import StoreLike
 
@@ -26,12 +23,9 @@ __all__ = [
     "ExportHooks",
     "ExportResult",
     "Stopwatch",
-    "atomic_torch_save",
-    "atomic_write_bytes",
     "open_store_arg",
     "parse_dtype",
     "parse_size",
-    "prepare_destination",
 ]
 
 _DTYPES: dict[str, str] = {
@@ -145,52 +139,3 @@ def parse_size(value: str | int) -> int:
     if size < 1:
         raise UnsupportedExportError(f"size {value!r} must be at least one byte.")
     return size
-
-
-def prepare_destination(
-    out: Path, *, overwrite: bool, owned: Callable[[str], bool], dry_run: bool
-) -> None:
-    """Make ``out`` ready: create it, or (with ``overwrite``) remove what this export owns there.
-
-    A destination that exists and is not empty is refused without ``overwrite``. With it, only
-    the entries ``owned(name)`` accepts (the files and folders this export writes) are removed;
-    anything else in the folder is left alone.
-    """
-    if out.exists() and not out.is_dir():
-        raise StoreExistsError(f"{out}: exists and is a file; choose a folder as destination.")
-    children = sorted(out.iterdir()) if out.exists() else []
-    if children and not overwrite:
-        raise StoreExistsError(
-            f"{out}: already exists and is not empty; pass overwrite=True to replace the files "
-            "this export writes (other files are kept), or choose an empty folder."
-        )
-    if dry_run:
-        return
-    begin(out)
-    for child in children:
-        if owned(child.name):
-            remove_entry(child)  # kept aside until the export completes (export/replace.py)
-    out.mkdir(parents=True, exist_ok=True)
-
-
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` through a temporary file and a rename."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
-        with file_writes(path):
-            tmp.write_bytes(data)
-            os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
-def atomic_torch_save(obj: Any, path: Path) -> int:
-    """``torch.save`` through a temporary file and a rename; return the file size."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
-        with file_writes(path):
-            torch.save(obj, tmp)
-            os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return path.stat().st_size

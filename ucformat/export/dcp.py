@@ -26,8 +26,9 @@ Algorithm:
    file at a time, each piece (a box of the DCP tensor: its values are a box of one store
    array) read with ``read_runs`` (a dim-0 piece is one flat range), ``torch.save``d and
    appended; its byte range recorded. Peak memory is about two pieces. ``.metadata`` is
-   pickled from ``torch.distributed.checkpoint.metadata``'s own classes and written last
-   (temporary file, fsync, rename), as DCP commits.
+   pickled from ``torch.distributed.checkpoint.metadata``'s own classes and moved in last, as
+   DCP commits: everything is written into the destination's staging folder and committed by
+   the one destination lifecycle (``export/destination.py``: fsync, then the swap).
 
 torch's Adam/AdamW expect every hyper-parameter key in each group and a tensor ``step``: for a
 store from another optimizer (DeepSpeed's FusedAdam) missing keys get torch's defaults
@@ -38,7 +39,6 @@ tensors; the result's notes say so.
 from __future__ import annotations
 
 import io
-import os
 import pickle
 import re
 from dataclasses import dataclass
@@ -54,10 +54,9 @@ from ucformat.export.common import (
     ExportResult,
     Stopwatch,
     open_store_arg,
-    prepare_destination,
 )
 from ucformat.export.dcp_metadata import dcp_metadata
-from ucformat.export.replace import transactional
+from ucformat.export.destination import file_writes, prepare_destination, transactional
 from ucformat.export.url_target import export_to_url, is_url
 from ucformat.format.dtypes import itemsize, torch_dtype
 from ucformat.format.models import CheckpointManifest, ScalarState
@@ -318,8 +317,7 @@ def _write_data_file(
     """Write ``__<rank>_0.distcp``; return ``(key, piece index) -> (file, offset, length)``."""
     name = f"__{rank}_0.distcp"
     where: dict[tuple[str, int], tuple[str, int, int]] = {}
-    tmp = folder / f".{name}.tmp"
-    with open(tmp, "wb") as handle:
+    with file_writes(folder / name), open(folder / name, "wb") as handle:
         for item in tensors:
             for index, piece in enumerate(item.pieces):
                 if piece.rank != rank:
@@ -334,9 +332,6 @@ def _write_data_file(
                 data = _saved(value.value)
                 where[(value.key, -1)] = (name, handle.tell(), len(data))
                 handle.write(data)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, folder / name)
     return where
 
 
@@ -349,19 +344,17 @@ def write_dcp_files(
     checkpoint_id: str | Path,
     hooks: ExportHooks,
 ) -> None:
-    """Write ``__<rank>_0.distcp`` for every rank, then ``.metadata`` (last: the commit).
+    """Write ``__<rank>_0.distcp`` for every rank, then ``.metadata``, into ``folder`` (a
+    staging folder: its commit moves ``.metadata`` in last).
 
     Each piece goes into its writer rank's file; non-tensor values into rank 0's.
     """
     where: dict[tuple[str, int], tuple[str, int, int]] = {}
     for rank in range(world_size):
         where.update(_write_data_file(ckpt, folder, tensors, values, rank, hooks))
-    tmp = folder / f"{METADATA_NAME}.tmp"
-    with open(tmp, "wb") as handle:
-        pickle.dump(dcp_metadata(tensors, values, where, checkpoint_id), handle)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, folder / METADATA_NAME)
+    metadata = pickle.dumps(dcp_metadata(tensors, values, where, checkpoint_id))
+    with file_writes(folder / METADATA_NAME):
+        (folder / METADATA_NAME).write_bytes(metadata)
 
 
 def _owned(name: str) -> bool:
@@ -439,10 +432,12 @@ def _export_dcp(
     clock = Stopwatch()
     ranks = world_size or ckpt.manifest.source.world_size
     plan = plan_dcp(ckpt.manifest, world_size=ranks, layout=layout, piece_bytes=piece_bytes)
-    prepare_destination(folder, overwrite=overwrite, owned=_owned, dry_run=dry_run)
+    staged = prepare_destination(
+        folder, overwrite=overwrite, owned=_owned, dry_run=dry_run, last=(METADATA_NAME,)
+    )
     hooks.plan(plan.nbytes)
     if not dry_run:
-        write_dcp_files(ckpt, folder, plan.tensors, plan.values, ranks, checkpoint_id, hooks)
+        write_dcp_files(ckpt, staged, plan.tensors, plan.values, ranks, checkpoint_id, hooks)
     verb = "would write" if dry_run else "wrote"
     summary = (
         f"{verb} {len(plan.tensors)} tensors and {len(plan.values)} values "

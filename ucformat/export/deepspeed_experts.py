@@ -36,7 +36,6 @@ from ucformat.export.common import (
     ExportHooks,
     ExportResult,
     Stopwatch,
-    atomic_torch_save,
     open_store_arg,
 )
 from ucformat.export.deepspeed_common import (
@@ -46,6 +45,7 @@ from ucformat.export.deepspeed_common import (
     model_states,
     module_state_dict,
 )
+from ucformat.export.destination import save_torch
 from ucformat.export.native_export import NativeExport, run_native_export
 from ucformat.export.native_target import ZERO_OPTIMIZER, NativeTarget, native_target
 from ucformat.export.url_target import is_url
@@ -378,13 +378,13 @@ def _write_files(
     for layer in range(len(ckpt.manifest.experts.layers)):
         for expert in range(ranks.num_experts):
             name = f"layer_{layer}_expert_{expert}_mp_rank_00_model_states.pt"
-            atomic_torch_save(files.expert_file(layer, expert), tag_dir / name)
-    atomic_torch_save(files.model_file(), tag_dir / target.model_file(0))
+            save_torch(files.expert_file(layer, expert), tag_dir / name)
+    save_torch(files.model_file(), tag_dir / target.model_file(0))
     for ep_rank in range(ranks.ep_size if target.stage == 0 else 0):
         optimizer = {"optimizer": files.torch_optimizer(ep_rank)}
-        atomic_torch_save(optimizer, tag_dir / expp_file(ep_rank))
+        save_torch(optimizer, tag_dir / expp_file(ep_rank))
     for rank in range(ranks.world_size if target.stage else 0):
-        atomic_torch_save(files.optimizer_file(rank), tag_dir / target.optim_file(rank))
+        save_torch(files.optimizer_file(rank), tag_dir / target.optim_file(rank))
         hooks.advance(plan.nbytes // ranks.world_size)
     return []
 

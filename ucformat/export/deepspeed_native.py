@@ -36,7 +36,6 @@ from ucformat.export.common import (
     ExportHooks,
     ExportResult,
     Stopwatch,
-    atomic_torch_save,
     open_store_arg,
 )
 from ucformat.export.deepspeed_common import (
@@ -47,11 +46,11 @@ from ucformat.export.deepspeed_common import (
     module_state_dict,
 )
 from ucformat.export.deepspeed_experts import export_deepspeed_experts
+from ucformat.export.destination import save_torch, transactional
 from ucformat.export.hf_trainer import trainer_notes
 from ucformat.export.native_export import NativeExport, run_native_export
 from ucformat.export.native_files import RankFiles, frozen_fragments
 from ucformat.export.native_target import NativePlan, native_target, plan_native
-from ucformat.export.replace import transactional
 from ucformat.format.models import CheckpointManifest
 from ucformat.format.summary import format_bytes
 from ucformat.read.checkpoint import UniversalCheckpoint
@@ -103,7 +102,7 @@ def _write_model_files(
             shared_params=dict(manifest.tied),
             **common,
         )
-        atomic_torch_save(state, tag_dir / target.model_file(0))
+        save_torch(state, tag_dir / target.model_file(0))
         return notes
     module = module_state_dict(ckpt, target.dtype, placeholders=True)
     notes = []
@@ -117,7 +116,7 @@ def _write_model_files(
             shared_params=dict(manifest.tied) if rank == 0 else {},  # rank 0's file only
             **common,
         )
-        atomic_torch_save(state, tag_dir / target.model_file(rank))
+        save_torch(state, tag_dir / target.model_file(rank))
     return notes
 
 
@@ -138,7 +137,7 @@ def _write_files(
     notes = _write_model_files(ckpt, plan, classes, tag_dir)
     files = RankFiles(ckpt, plan, classes, scaler, dynamic)
     for rank in range(target.world_size):
-        atomic_torch_save(files.optimizer_file(rank), tag_dir / target.optim_file(rank))
+        save_torch(files.optimizer_file(rank), tag_dir / target.optim_file(rank))
         hooks.advance(files.payload_per_rank)
     return notes
 

@@ -29,7 +29,7 @@ from typing import Any, cast
 import torch
 
 from ucformat.errors import StoreExistsError, UnsupportedExportError
-from ucformat.export.common import atomic_torch_save, atomic_write_bytes, open_store_arg
+from ucformat.export.common import open_store_arg
 from ucformat.export.deepspeed_common import (
     build_loss_scaler,
     deepspeed_classes,
@@ -37,9 +37,10 @@ from ucformat.export.deepspeed_common import (
     model_states,
     module_state_dict,
 )
+from ucformat.export.destination import save_torch, transactional, write_bytes
+from ucformat.export.destination import stage as stage_folder
 from ucformat.export.native_files import RankFiles
 from ucformat.export.native_target import NativeTarget, native_target, plan_native
-from ucformat.export.replace import transactional
 from ucformat.export.tp_layout import target_shard_maps, tp_grain_size
 from ucformat.format.models import CheckpointManifest
 from ucformat.layout.tensor_parallel import ShardMap
@@ -145,12 +146,21 @@ def export_deepspeed_tensor_parallel(
     dp = world_size // tp
     base = native_target(manifest, world_size=dp, stage=stage, dtype=dtype, tag=tag)
     folder = Path(out)
-    tag_dir = folder / base.tag
-    if tag_dir.exists() and not overwrite:
-        raise StoreExistsError(
-            f"{tag_dir}: exists; pass overwrite=True (--overwrite) to replace it."
-        )
-    tag_dir.mkdir(parents=True, exist_ok=True)
+
+    def check(folder: Path) -> None:
+        if (folder / base.tag).exists() and not overwrite:
+            raise StoreExistsError(
+                f"{folder / base.tag}: exists; pass overwrite=True (--overwrite) to replace it."
+            )
+
+    staged = stage_folder(
+        folder,
+        owned=lambda name: name in (base.tag, LATEST_FILE),
+        last=(LATEST_FILE,),
+        check=check,
+    )
+    tag_dir = staged / base.tag
+    tag_dir.mkdir()
     classes = deepspeed_classes("deepspeed")
     scaler, dynamic = build_loss_scaler(classes, manifest, base.dtype, base.ds_config)
     written: list[str] = []
@@ -179,12 +189,12 @@ def export_deepspeed_tensor_parallel(
             )
             state["mp_world_size"] = tp
             state["checkpoint_parallel_dimensions"] = {"pp_degree": 1, "tp_degree": tp}
-            atomic_torch_save(state, tag_dir / target.model_file(dp_rank))
+            save_torch(state, tag_dir / target.model_file(dp_rank))
             written.append(f"{base.tag}/{target.model_file(dp_rank)}")
         files = RankFiles(view, plan, classes, scaler, dynamic)
         for dp_rank in range(dp):
-            atomic_torch_save(files.optimizer_file(dp_rank), tag_dir / target.optim_file(dp_rank))
+            save_torch(files.optimizer_file(dp_rank), tag_dir / target.optim_file(dp_rank))
             written.append(f"{base.tag}/{target.optim_file(dp_rank)}")
-    atomic_write_bytes(folder / LATEST_FILE, base.tag.encode())
+    write_bytes(staged / LATEST_FILE, base.tag.encode())
     written.append(LATEST_FILE)
     return written

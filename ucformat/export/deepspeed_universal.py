@@ -34,10 +34,7 @@ from ucformat.export.common import (
     ExportHooks,
     ExportResult,
     Stopwatch,
-    atomic_torch_save,
-    atomic_write_bytes,
     open_store_arg,
-    prepare_destination,
 )
 from ucformat.export.deepspeed_common import (
     DeepSpeedClasses,
@@ -50,7 +47,7 @@ from ucformat.export.deepspeed_common import (
     module_state_dict,
     require_optimizer,
 )
-from ucformat.export.replace import transactional
+from ucformat.export.destination import prepare_destination, save_torch, transactional, write_bytes
 from ucformat.export.url_target import export_to_url, is_url
 from ucformat.format.models import CheckpointManifest
 from ucformat.format.pyvalue import decode
@@ -208,16 +205,18 @@ def export_deepspeed_universal(
     manifest = ckpt.manifest
     if not dry_run:
         classes = deepspeed_classes("deepspeed-universal")
-        prepare_destination(folder, overwrite=overwrite, owned=owned, dry_run=False)
+        staged = prepare_destination(
+            folder, overwrite=overwrite, owned=owned, dry_run=False, last=(LATEST_UNIVERSAL,)
+        )
         hooks.plan(payload)
-        root = folder / name
+        root = staged / name
         (root / "zero").mkdir(parents=True, exist_ok=True)
         for file, placeholders in ((MODEL_FILE, False), (ZERO3_MODEL_FILE, True)):
             state, notes = _model_states(ckpt, classes, placeholders=placeholders)
-            atomic_torch_save(state, root / file)
-        atomic_torch_save(_optimizer_state(ckpt, classes), root / OPTIMIZER_FILE)
+            save_torch(state, root / file)
+        save_torch(_optimizer_state(ckpt, classes), root / OPTIMIZER_FILE)
         _write_params(ckpt, root / "zero", hooks)
-        atomic_write_bytes(folder / LATEST_UNIVERSAL, name.encode())
+        write_bytes(staged / LATEST_UNIVERSAL, name.encode())
     else:
         prepare_destination(folder, overwrite=overwrite, owned=owned, dry_run=True)
     frozen = frozen_names(manifest)
@@ -248,8 +247,8 @@ def _write_params(ckpt: UniversalCheckpoint, zero: Path, hooks: ExportHooks) -> 
             folder.mkdir(exist_ok=True)
             for state in states:
                 value = ckpt.read(name, state).to(torch.float32)
-                atomic_torch_save({"param": value, "cat_dim": 0}, folder / f"{state}.pt")
+                save_torch({"param": value, "cat_dim": 0}, folder / f"{state}.pt")
                 hooks.advance(value.numel() * 4)
                 del value
             if STEP_STATE in entry.scalars:
-                atomic_torch_save(scalar_value(entry.scalars[STEP_STATE]), folder / "step.pt")
+                save_torch(scalar_value(entry.scalars[STEP_STATE]), folder / "step.pt")

@@ -7,9 +7,10 @@ A native export (the dense one, :mod:`ucformat.export.deepspeed_native`, and the
    (:mod:`ucformat.export.url_target`);
 2. :func:`~ucformat.export.run_folder.plan_destination` decides the tag and checks the folder;
 3. the target plans its files for that tag (pure: a dry run stops here);
-4. DeepSpeed's classes are imported, the tag folder is prepared, the target writes its files
-   into it, then ``latest`` is written (last, as the commit) and the previous tag removed if
-   that was asked for.
+4. DeepSpeed's classes are imported, the run folder is staged
+   (:func:`~ucformat.export.run_folder.prepare_folder`), the target writes its files into the
+   staged tag folder and ``latest`` beside it; the commit moves the tag folder in, ``latest``
+   last, and removes the previous tag if that was asked for.
 
 What differs between the targets (the plan, the files, the summary, the notes) comes in as a
 :class:`NativeExport`.
@@ -22,12 +23,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Generic, Protocol, TypeVar
 
-from ucformat.export.common import ExportHooks, ExportResult, Stopwatch, atomic_write_bytes
+from ucformat.export.common import ExportHooks, ExportResult, Stopwatch
 from ucformat.export.deepspeed_common import DeepSpeedClasses, deepspeed_classes
+from ucformat.export.destination import write_bytes
 from ucformat.export.native_target import NativeTarget
 from ucformat.export.run_folder import (
     Destination,
-    finish_destination,
     plan_destination,
     prepare_folder,
 )
@@ -139,8 +140,7 @@ def run_native_export(
         hooks.plan(plan.nbytes)
         tag_dir = prepare_folder(dest)
         notes = export.write(ckpt, plan, classes, tag_dir, hooks) + notes
-        atomic_write_bytes(folder / LATEST_FILE, plan.target.tag.encode())
-        finish_destination(dest)
+        write_bytes(tag_dir.parent / LATEST_FILE, plan.target.tag.encode())
     verb = "would write" if dry_run else "wrote"
     summary = f"{verb} {export.describe(plan)} to {folder} in {clock.seconds:.2f}s"
     return ExportResult(

@@ -15,23 +15,21 @@ The rules, decided before anything is written (:func:`plan_destination`):
   tag folder and ``latest`` this export writes).
 
 The tag ``latest`` named before is kept unless ``remove_previous`` asks for it to go, which
-happens after the new tag and ``latest`` are complete (:func:`finish_destination`).
+happens at the commit, after the new tag and ``latest`` are in place (:func:`prepare_folder`).
 """
 
 from __future__ import annotations
 
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
 from ucformat.errors import StoreExistsError, UnsupportedExportError
-from ucformat.export.replace import begin, remove_entry
+from ucformat.export.destination import stage
 
 __all__ = [
     "Destination",
     "check_run_folder",
     "derived_tag",
-    "finish_destination",
     "plan_destination",
     "prepare_folder",
 ]
@@ -152,22 +150,18 @@ def check_run_folder(
 
 
 def prepare_folder(dest: Destination) -> Path:
-    """Create the folder, remove a tag folder being replaced; return the (empty) tag folder."""
-    begin(dest.folder)
-    dest.folder.mkdir(parents=True, exist_ok=True)
-    tag_dir = dest.folder / dest.tag
-    if tag_dir.is_symlink() or tag_dir.exists():
-        remove_entry(tag_dir)  # kept aside until the export completes (export/replace.py)
+    """Stage the run folder (:func:`ucformat.export.destination.stage`); return the (empty)
+    staged tag folder. ``latest`` goes beside it (``tag_folder.parent``); the commit moves the
+    tag folder in, then ``latest``, and deletes the tag folder replaced and, if asked for, the
+    previous tag (only once the new one and ``latest`` are in place)."""
+    gone = {dest.tag, LATEST}
+    if dest.remove_previous and _plain_name(dest.previous) and dest.previous != dest.tag:
+        gone.add(str(dest.previous))
+    staged = stage(dest.folder, owned=lambda name: name in gone, last=(LATEST,))
+    tag_dir = staged / dest.tag
     tag_dir.mkdir()
     return tag_dir
 
 
-def finish_destination(dest: Destination) -> None:
-    """After ``latest`` names the new tag: remove the previous tag if that was asked for."""
-    if not dest.remove_previous or dest.previous is None or dest.previous == dest.tag:
-        return
-    if "/" in dest.previous or "\\" in dest.previous or dest.previous in (".", ".."):
-        return
-    old = dest.folder / dest.previous
-    if old.is_dir() and not old.is_symlink() and old.parent == dest.folder:
-        shutil.rmtree(old)
+def _plain_name(name: str | None) -> bool:
+    return bool(name) and "/" not in str(name) and "\\" not in str(name) and name not in (".", "..")

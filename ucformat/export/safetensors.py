@@ -12,10 +12,11 @@ Algorithm:
    would push the current one past ``max_shard_size``; a tensor larger than that gets a shard of
    its own. Each file's safetensors header (8-byte little-endian length, JSON, space padding
    to 8 bytes) is computed here, so every byte offset is known before any data is read.
-2. **Execute**. Each file is written to a temporary name: header first, then each tensor
-   streamed in pieces of at most ``piece_bytes`` (read with ``read_range``, cast, written,
-   dropped), then renamed. ``model.safetensors.index.json`` is written last. Peak memory is
-   about two pieces, whatever the model size.
+2. **Execute**. Each file is written into the destination's staging folder
+   (``export/destination.py``): header first, then each tensor streamed in pieces of at most
+   ``piece_bytes`` (read with ``read_range``, cast, written, dropped). The commit fsyncs the
+   files and moves them in, ``model.safetensors.index.json`` last. Peak memory is about two
+   pieces, whatever the model size.
 
 One file is named ``model.safetensors``; several are ``model-00001-of-0000N.safetensors`` plus
 the index ``{"metadata": {"total_size": ...}, "weight_map": {key: file}}``.
@@ -24,7 +25,6 @@ the index ``{"metadata": {"total_size": ...}, "weight_map": {key: file}}``.
 from __future__ import annotations
 
 import json
-import os
 import re
 from dataclasses import dataclass
 from math import prod
@@ -39,14 +39,17 @@ from ucformat.export.common import (
     ExportHooks,
     ExportResult,
     Stopwatch,
-    atomic_write_bytes,
     open_store_arg,
     parse_dtype,
     parse_size,
+)
+from ucformat.export.destination import (
+    file_writes,
     prepare_destination,
+    transactional,
+    write_bytes,
 )
 from ucformat.export.hf_names import HF_NAMINGS, NAMINGS, hf_config, hf_tensors
-from ucformat.export.replace import transactional
 from ucformat.export.url_target import export_to_url, is_url
 from ucformat.format.dtypes import itemsize, torch_dtype
 from ucformat.format.models import CheckpointManifest
@@ -266,8 +269,8 @@ def _little_endian_bytes(tensor: torch.Tensor) -> bytes:
 def _write_file(
     ckpt: UniversalCheckpoint, path: Path, plan: SafetensorsFile, piece: int, hooks: ExportHooks
 ) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as handle:
+    """Stream one file's tensors into ``path`` (in the staging folder; the commit fsyncs it)."""
+    with file_writes(path), open(path, "wb") as handle:
         handle.write(plan.header)
         for item in plan.items:
             step = max(1, piece // max(itemsize(item.dtype), 4))
@@ -286,9 +289,6 @@ def _write_file(
                     f"'{item.name}': wrote {written} bytes but planned {item.end - item.begin}; "
                     "the store's arrays disagree with its manifest (run 'ucformat verify')."
                 )
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
 
 
 def _owned(name: str) -> bool:
@@ -368,18 +368,20 @@ def export_safetensors(
     )
     config = hf_config(ckpt.manifest, names) if names in HF_NAMINGS else None
     folder = Path(out)
-    prepare_destination(folder, overwrite=overwrite, owned=_owned, dry_run=dry_run)
+    staged = prepare_destination(
+        folder, overwrite=overwrite, owned=_owned, dry_run=dry_run, last=(INDEX_NAME,)
+    )
     hooks.plan(plan.nbytes)
     if not dry_run:
         for file_plan in plan.files:
-            _write_file(ckpt, folder / file_plan.filename, file_plan, piece_bytes, hooks)
+            _write_file(ckpt, staged / file_plan.filename, file_plan, piece_bytes, hooks)
         if plan.index is not None:
             document = json.dumps(plan.index, indent=2, sort_keys=True) + "\n"
-            atomic_write_bytes(folder / INDEX_NAME, document.encode())
+            write_bytes(staged / INDEX_NAME, document.encode())
         if config is not None:
             config["torch_dtype"] = plan.dtype
             text = json.dumps(config, indent=2, sort_keys=True) + "\n"
-            atomic_write_bytes(folder / CONFIG_NAME, text.encode())
+            write_bytes(staged / CONFIG_NAME, text.encode())
     count = sum(len(f.items) for f in plan.files)
     verb = "would write" if dry_run else "wrote"
     summary = (

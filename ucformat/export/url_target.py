@@ -22,6 +22,8 @@ from typing import Any
 
 from ucformat.errors import StoreAccessError, StoreExistsError, StoreWriteError, UCFormatError
 from ucformat.export.common import ExportResult
+from ucformat.export.destination import export_session
+from ucformat.store.destination import mark_committed
 from ucformat.store.locations import local_directory
 
 __all__ = ["export_to_url", "is_url"]
@@ -81,7 +83,8 @@ def export_to_url(
             "writes (other objects are kept), or choose an empty prefix."
         )
     with tempfile.TemporaryDirectory(prefix="ucformat-export-") as staging:
-        result = run(Path(staging))
+        with export_session():  # committed into the local folder before the upload
+            result = run(Path(staging))
         if not dry_run:
             try:
                 for name in names:
@@ -101,5 +104,6 @@ def export_to_url(
                     f"{str(exc)[:200]}); check the bucket, credentials and endpoint, then re-run "
                     "with overwrite=True."
                 ) from None
+            mark_committed(url)
         summary = result.summary.replace(staging, url)
     return dataclasses.replace(result, out=url, summary=summary)

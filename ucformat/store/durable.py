@@ -4,7 +4,7 @@ Renaming the manifest into place makes the commit atomic, but not durable: after
 the file system may have kept the rename and lost shard data written before it. So, on a local
 directory store, :func:`sync_tree` flushes every file and then every directory of the store
 (deepest first: a directory's entries, i.e. the renames that named its files, are durable once
-the directory is fsynced), and :func:`write_file_durably` writes the manifest to a temporary
+the directory is fsynced), and :func:`write_file_atomic` writes the manifest to a temporary
 file, fsyncs it, renames it over its name and fsyncs the directory.
 
 A distributed write splits the first step among its writers (docs/format.md §6,
@@ -19,13 +19,14 @@ what their backend gives.
 from __future__ import annotations
 
 import os
-import uuid
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["SyncStats", "fsync_path", "sync_tree", "sync_written", "write_file_durably"]
+from ucformat.sysio.fileio import pwrite_all, replacing
+
+__all__ = ["SyncStats", "fsync_path", "sync_tree", "sync_written", "write_file_atomic"]
 
 #: fsync calls in flight at once (each releases the GIL; the disk queues them).
 SYNC_WORKERS = 8
@@ -93,19 +94,12 @@ def sync_written(root: Path, keys: Iterable[str], *, workers: int = SYNC_WORKERS
     return SyncStats(len(files), len(directories))
 
 
-def write_file_durably(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` atomically and durably: temp file, fsync, rename, fsync dir."""
-    partial = path.with_name(f"{path.stem}.{uuid.uuid4().hex}.partial")
-    fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-    try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view) :]
-        os.fsync(fd)
-    except BaseException:
-        os.close(fd)
-        partial.unlink(missing_ok=True)
-        raise
-    os.close(fd)
-    partial.replace(path)
-    fsync_path(path.parent, directory=True)
+def write_file_atomic(path: Path, data: bytes, *, fsync: bool) -> None:
+    """Write ``data`` to ``path`` atomically (:func:`~ucformat.sysio.fileio.replacing`); with
+    ``fsync``, also durably (the file fsynced before the rename, the directory after)."""
+    with replacing(path) as fd:
+        pwrite_all(fd, memoryview(data), 0)
+        if fsync:
+            os.fsync(fd)
+    if fsync:
+        fsync_path(path.parent, directory=True)

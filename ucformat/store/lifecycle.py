@@ -1,8 +1,10 @@
 """A store's lifecycle around a write: lock and prepare the destination, discard a failed write.
 
-The commit itself (the manifest written last, then the staged store swapped into place and the
-lock released) is :func:`ucformat.store.manifest_io.commit_manifest`. Every writer (offline
-convert, live saves, distributed convert) goes through these functions (docs/format.md §6):
+The store's rules on top of the one destination lifecycle (:mod:`ucformat.store.destination`,
+which every local writer, stores and exports, goes through). The commit itself (the manifest
+written last, the staged store swapped into place, the lock released) is
+:func:`ucformat.store.manifest_io.commit_manifest`. Every store writer (offline convert, live
+saves, distributed convert) goes through these functions (docs/format.md §6):
 
 * :func:`start_store` takes the destination's writer lock, checks the destination and writes
   the root group: into the staging folder beside a local destination (the destination itself,
@@ -47,6 +49,10 @@ def start_store(store: Store, overwrite: bool, format_version: str = FORMAT_VERS
     uncommitted store. ``format_version`` goes into the root group's attribute: the manifest's
     (the plan's :func:`~ucformat.write.plan.layout_version`), so the two agree.
 
+    A local store goes through its :class:`~ucformat.store.destination.LocalDestination`
+    (lock, check, staging folder beside it); any other store takes its lock object and is
+    emptied in place (its manifest first).
+
     Returns:
         True if the destination did not exist before (local stores), for :func:`discard_store`.
 
@@ -56,11 +62,19 @@ def start_store(store: Store, overwrite: bool, format_version: str = FORMAT_VERS
             something that is not a ucformat store.
         StoreWriteError: the destination cannot be written (permissions, space, network).
     """
-    with store_writes(store, "locking the destination"):
-        acquire_writer(store)
-    try:
+    created = False
+    if isinstance(store, StagedLocalStore):
+        local = store.staged
+        created = not local.path.exists()
         with store_writes(store, "preparing the destination"):
-            created = prepare_destination(store, overwrite)
+            local.start(lambda path: _check_local(store, path, overwrite))
+    else:
+        with store_writes(store, "locking the destination"):
+            acquire_writer(store)
+    try:
+        if not isinstance(store, StagedLocalStore):
+            with store_writes(store, "preparing the destination"):
+                created = prepare_destination(store, overwrite)
         with store_writes(store, f"writing {ROOT_KEY}"):
             create_root_group(
                 store, {FORMAT_NAME: {"format_version": format_version, "manifest": MANIFEST_KEY}}
@@ -75,19 +89,31 @@ def discard_store(store: Store, created: bool) -> None:
     """Remove what a failed write left and release the lock.
 
     A staged local write removes its staging folder (the destination is untouched: a previous
-    store stays complete); an unstaged local store is removed if the write ``created`` it; an
-    object store is left uncommitted (its previous manifest was deleted by :func:`start_store`).
+    store stays complete); a store written in place (a mount point) or into an object store is
+    left uncommitted (its previous manifest was deleted by :func:`start_store`); any other local
+    store is removed if the write ``created`` it.
     """
+    if isinstance(store, StagedLocalStore):
+        if store.staged.state != "committed":
+            store.staged.discard()
+        return
     try:
-        if isinstance(store, StagedLocalStore):
-            if Path(store.root) != store.destination:  # never the published destination
-                shutil.rmtree(store.root, ignore_errors=True)
-        else:
-            root = local_root(store)
-            if created and root is not None:
-                shutil.rmtree(root, ignore_errors=True)
+        root = local_root(store)
+        if created and root is not None:
+            shutil.rmtree(root, ignore_errors=True)
     finally:
         release_writer(store)
+
+
+def _check_local(store: StagedLocalStore, path: Path, overwrite: bool) -> None:
+    """The rule of a local store's destination: empty, or a ucformat store and ``overwrite``;
+    a store written in place (a mount point) is emptied here, its manifest first."""
+    if store.staged.in_place:
+        prepare_destination(store, overwrite)
+        return
+    names = {p.name for p in path.iterdir()} if path.exists() else set()
+    if names:
+        _check_ours(path, names, overwrite)
 
 
 def _check_ours(root: Path, names: set[str], overwrite: bool) -> None:
@@ -111,23 +137,10 @@ def prepare_destination(store: Store, overwrite: bool) -> bool:
     """Check the destination and empty what the write will fill; return True if the
     destination did not exist before (local stores).
 
-    The caller holds the destination's lock. A staged local store empties its staging folder
-    (a leftover of a killed writer) and leaves the destination as it is; an unstaged one is
-    emptied in place; an object store loses its manifest first, then every other key.
+    The caller holds the destination's lock. A local store written in place (a mount point) is
+    emptied in place; an object store loses its manifest first, then every other key. (A staged
+    local store is checked by :func:`start_store`: its destination stays as it is.)
     """
-    if isinstance(store, StagedLocalStore) and Path(store.root) != store.destination:
-        destination = store.destination
-        if destination.exists() and not destination.is_dir():
-            raise StoreExistsError(
-                f"{destination}: exists and is a file; choose another destination."
-            )
-        names = {p.name for p in destination.iterdir()} if destination.exists() else set()
-        if names:
-            _check_ours(destination, names, overwrite)
-        staging = Path(store.root)
-        if staging.exists():
-            shutil.rmtree(staging)
-        return not destination.exists()
     root = local_root(store)
     if root is not None:
         if root.exists() and not root.is_dir():

@@ -9,7 +9,12 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from ucformat.errors import NotAStoreError, SourceNotFoundError, UnsupportedCheckpointError
+from ucformat.errors import (
+    IncompleteStoreError,
+    NotAStoreError,
+    SourceNotFoundError,
+    UnsupportedCheckpointError,
+)
 
 __all__ = ["existing_store_directory", "local_directory", "local_source"]
 
@@ -25,10 +30,24 @@ def local_directory(target: str | os.PathLike[str]) -> Path | None:
 def existing_store_directory(path: Path) -> Path:
     """``path``, checked to be an existing directory, as a store opened for reading must be.
 
+    A folder only an unfinished writer leaves (a staging folder, the old store of a swap:
+    :func:`ucformat.store.destination.transient_name`) is refused whatever it holds: a writer
+    killed between writing its manifest there and the swap leaves one that looks complete.
+
     Raises:
         SourceNotFoundError: nothing is at ``path``.
         NotAStoreError: ``path`` is a file.
+        IncompleteStoreError: ``path`` is a staging folder (docs/format.md §6.2).
     """
+    from ucformat.store.destination import transient_name
+
+    name = Path(os.path.abspath(path)).name
+    if transient_name(name) and path.is_dir():
+        raise IncompleteStoreError(
+            f"{path}: the staging folder of an unfinished ucformat write, not a store (it was "
+            "interrupted or is still running); open the destination it was written for, or "
+            "re-run that write. The next write to that destination removes it."
+        )
     if not path.exists():
         raise SourceNotFoundError(f"{path}: no such store.")
     if not path.is_dir():

@@ -15,7 +15,6 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-import shutil
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -32,7 +31,7 @@ from ucformat.format.base import IGNORE_UNKNOWN
 from ucformat.format.jcs import canonicalize
 from ucformat.format.models import CheckpointManifest
 from ucformat.format.spec import FORMAT_NAME, FORMAT_VERSION, KNOWN_MINOR, MANIFEST_KEY
-from ucformat.store.durable import sync_tree, write_file_durably
+from ucformat.store.durable import sync_tree, write_file_atomic
 from ucformat.store.locations import existing_store_directory, local_directory
 
 if TYPE_CHECKING:
@@ -126,18 +125,38 @@ def commit_manifest(
     durable (:func:`ucformat.store.durable.sync_written`, a distributed write, §6), so only
     the manifest's own steps remain. ``digest``: :func:`manifest_digest` of ``manifest``, when
     the writer computed it beforehand (while its shards were written).
-    A staged local store is then swapped onto its destination (the previous store, if any, is
-    removed), and the destination's writer lock is released (docs/format.md §6).
+    A staged local store's manifest is written into its staging folder and the folder swapped
+    onto its destination, one step that Ctrl-C cannot split
+    (:meth:`~ucformat.store.destination.LocalDestination.commit`); the previous store, if any,
+    is then removed and the destination's writer lock released (docs/format.md §6).
     """
+    from ucformat.store.destination import mark_committed
     from ucformat.store.direct.objects import local_file
-    from ucformat.store.keys import store_writes, write_key
-    from ucformat.store.staged_local import StagedLocalStore, publish
+    from ucformat.store.keys import describe_store, store_writes, write_key
+    from ucformat.store.staged_local import StagedLocalStore
     from ucformat.store.write_session import release_writer
 
     if digest is None:
         digest = manifest_digest(manifest)
     stamped = manifest.model_copy(update={"digest": digest})
     payload = stamped.model_dump_json(indent=1).encode()
+    if isinstance(store, StagedLocalStore):  # the commit point of a local store: the swap
+        local = store.staged
+        local.fsync = durable
+        try:
+            with store_writes(store, f"committing {MANIFEST_KEY}"):
+                local.commit(
+                    seal=lambda folder: write_file_atomic(
+                        folder / MANIFEST_KEY, payload, fsync=durable
+                    ),
+                    synced=objects_synced,
+                )
+        except BaseException:
+            if local.state != "committed":  # not committed: the previous store stays
+                local.discard()
+            raise
+        store.root = local.path
+        return stamped
     path = local_file(store, MANIFEST_KEY) if durable else None
     try:
         if path is None:
@@ -146,14 +165,8 @@ def commit_manifest(
             with store_writes(store, f"writing {MANIFEST_KEY}"):
                 if not objects_synced:
                     sync_tree(path.parent)
-                write_file_durably(path, payload)
-        if isinstance(store, StagedLocalStore):  # the commit point of a local store: the swap
-            with store_writes(store, "moving the staged store into place"):
-                publish(store, durable=durable)
-    except BaseException:
-        if isinstance(store, StagedLocalStore) and Path(store.root) != store.destination:
-            shutil.rmtree(store.root, ignore_errors=True)  # not committed: the old store stays
-        raise
+                write_file_atomic(path, payload, fsync=True)
+        mark_committed(describe_store(store))
     finally:
         release_writer(store)
     return stamped

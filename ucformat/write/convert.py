@@ -1,5 +1,13 @@
-"""``ucformat.convert``: a DeepSpeed ZeRO checkpoint or a PyTorch DCP folder in, a committed
-ucformat store out."""
+"""``ucformat.convert``: a foreign checkpoint in (DeepSpeed ZeRO, PyTorch DCP, Megatron-Core,
+the clients' folders), a committed ucformat store out.
+
+Every option is one :class:`ConvertSettings`; :meth:`ConvertSettings.read` is the one reader call
+and :meth:`ConvertSettings.layout` the one layout, shared with the distributed convert
+(:mod:`ucformat.write.distributed_convert`). :func:`run_convert`: read the source, plan it,
+start the store (:mod:`ucformat.store.lifecycle`), write every shard on a thread pool, check the
+source's CRC-32s, commit (the manifest last, the staged store swapped into place); any failure
+discards the staged write.
+"""
 
 from __future__ import annotations
 
@@ -28,9 +36,11 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ConvertHooks",
+    "ConvertSettings",
     "convert",
     "convert_options",
     "plan_from_source",
+    "run_convert",
 ]
 
 
@@ -44,25 +54,52 @@ class ConvertHooks:
     on_phase: Callable[[str], None] | None = None
 
 
-def plan_from_source(
-    src: str | Path,
-    *,
-    tag: str | None = None,
-    chunk_bytes: int | None = None,
-    shard_bytes: int | None = None,
-    compressor: str = "none",
-    opaque_globals: Iterable[str] = (),
-    model_key: str | None = None,
-    optimizer_key: str | None = None,
-    tp_max: int | None = None,
-    head_dim: int | None = None,
-) -> ConvertPlan:
+@dataclass(frozen=True)
+class ConvertSettings:
+    """Every option of a convert: the one options type of the single-process convert
+    (:func:`run_convert`) and the distributed one
+    (:func:`~ucformat.write.distributed_convert.convert_distributed`), so that neither can drop
+    one. The fields are the keywords of :func:`convert`, where each is documented.
+    """
+
+    tag: str | None = None
+    overwrite: bool = False
+    chunk_bytes: int | None = None
+    shard_bytes: int | None = None
+    compressor: str = "none"
+    tp_max: int | None = None
+    workers: int = DEFAULT_WORKERS
+    opaque_globals: tuple[str, ...] = ()
+    check_source: bool = True
+    fsync: bool = True
+    model_key: str | None = None
+    optimizer_key: str | None = None
+    head_dim: int | None = None
+
+    def layout(self) -> ConvertOptions:
+        """The layout options of the plan (chunking, compression), checked."""
+        return convert_options(self.chunk_bytes, self.shard_bytes, self.compressor, self.tp_max)
+
+    def read(self, src: str | Path, *, tensors: bool = True) -> SourceCheckpoint:
+        """The one reader call: the source at ``src`` (a local folder), opened by the reader its
+        files call for, with these settings (``tensors=False``: a plan only, whose tensor bytes
+        are never read, so there is nothing to checksum)."""
+        return read_source(
+            local_source(src),
+            tag=self.tag,
+            policy=_pickle_policy(self.opaque_globals),
+            model_key=self.model_key,
+            optimizer_key=self.optimizer_key,
+            check_crc=self.check_source and tensors,
+            head_dim=self.head_dim,
+        )
+
+
+def plan_from_source(src: str | Path, settings: ConvertSettings | None = None) -> ConvertPlan:
     """Read ``src``'s metadata and plan its conversion, without writing anything."""
-    # a dry run reads no tensor bytes: nothing to checksum
-    with _read(
-        src, tag, opaque_globals, model_key, optimizer_key, check_crc=False, head_dim=head_dim
-    ) as source:
-        return plan_convert(source, _options(chunk_bytes, shard_bytes, compressor, tp_max))
+    settings = settings or ConvertSettings()
+    with settings.read(src, tensors=False) as source:
+        return plan_convert(source, settings.layout())
 
 
 def convert(
@@ -124,31 +161,57 @@ def convert(
     Example:
         >>> manifest = ucformat.convert("runs/gpt/global_step800", "ckpt.ucf")  # doctest: +SKIP
     """
-    hooks = hooks or ConvertHooks()
-    with _read(
-        src, tag, opaque_globals, model_key, optimizer_key, check_crc=check_source,
+    settings = ConvertSettings(
+        tag=tag,
+        overwrite=overwrite,
+        chunk_bytes=chunk_bytes,
+        shard_bytes=shard_bytes,
+        compressor=compressor,
+        tp_max=tp_max,
+        workers=workers,
+        opaque_globals=tuple(opaque_globals),
+        check_source=check_source,
+        fsync=fsync,
+        model_key=model_key,
+        optimizer_key=optimizer_key,
         head_dim=head_dim,
-    ) as source:  # fmt: skip
-        plan = plan_convert(source, _options(chunk_bytes, shard_bytes, compressor, tp_max))
+    )
+    return run_convert(src, dst, settings, dry_run=dry_run, hooks=hooks)
+
+
+def run_convert(
+    src: str | Path,
+    dst: StoreLike,
+    settings: ConvertSettings,
+    *,
+    dry_run: bool = False,
+    hooks: ConvertHooks | None = None,
+) -> CheckpointManifest:
+    """:func:`convert` with its options as one :class:`ConvertSettings` (what the CLI builds)."""
+    hooks = hooks or ConvertHooks()
+    layout = settings.layout()
+    with settings.read(src, tensors=not dry_run) as source:
+        plan = plan_convert(source, layout)
         if hooks.on_plan is not None:
             hooks.on_plan(plan)
         if dry_run:
             return plan.manifest
         store = open_store(dst, read_only=False)
-        created = start_store(store, overwrite, plan.manifest.format_version)
+        created = start_store(store, settings.overwrite, plan.manifest.format_version)
         try:
             with store_writes(store, "writing the arrays"):
                 arrays = create_arrays(store, plan)
                 write_units(
-                    plan, arrays, plan.units, workers=workers, progress=hooks.on_bytes,
-                    writeback=fsync,
+                    plan, arrays, plan.units, workers=settings.workers, progress=hooks.on_bytes,
+                    writeback=settings.fsync,
                 )  # fmt: skip
             if hooks.on_phase is not None:
                 hooks.on_phase("checking the source's CRC-32s")
             source.check_integrity()  # before the commit: a damaged source never looks complete
             if hooks.on_phase is not None:
-                hooks.on_phase("committing (fsync of every object)" if fsync else "committing")
-            return commit_manifest(store, plan.manifest, durable=fsync)
+                what = "committing (fsync of every object)" if settings.fsync else "committing"
+                hooks.on_phase(what)
+            return commit_manifest(store, plan.manifest, durable=settings.fsync)
         except BaseException:
             discard_store(store, created)
             raise
@@ -161,12 +224,6 @@ def convert_options(
     tp_max: int | None = None,
 ) -> ConvertOptions:
     """The layout options ``convert`` uses for these targets (None: the defaults)."""
-    return _options(chunk_bytes, shard_bytes, compressor, tp_max)
-
-
-def _options(
-    chunk_bytes: int | None, shard_bytes: int | None, compressor: str, tp_max: int | None = None
-) -> ConvertOptions:
     default = ChunkPolicy()
     chunk = chunk_bytes or default.chunk_bytes
     shard = shard_bytes or max(default.shard_bytes, chunk)
@@ -176,28 +233,6 @@ def _options(
         raise ValueError(f"tp_max must be at least 1, got {tp_max}")
     policy = ChunkPolicy(chunk, shard, tp_max=tp_max or default.tp_max)
     return ConvertOptions(policy=policy, compressor=compressor)
-
-
-def _read(
-    src: str | Path,
-    tag: str | None,
-    opaque_globals: Iterable[str],
-    model_key: str | None,
-    optimizer_key: str | None,
-    *,
-    check_crc: bool,
-    head_dim: int | None = None,
-) -> SourceCheckpoint:
-    """The source at ``src`` (a local folder), opened by the reader its files call for."""
-    return read_source(
-        local_source(src),
-        tag=tag,
-        policy=_pickle_policy(opaque_globals),
-        model_key=model_key,
-        optimizer_key=optimizer_key,
-        check_crc=check_crc,
-        head_dim=head_dim,
-    )
 
 
 def _pickle_policy(opaque_globals: Iterable[str]) -> PicklePolicy:

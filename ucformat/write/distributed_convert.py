@@ -4,8 +4,10 @@
 
     torchrun --nnodes K --nproc_per_node N -m ucformat_cli convert SRC DST
 
-Each process reads the checkpoint's metadata (the pickles; tensor bytes stay on disk) and makes
-the same plan as ``ucformat convert``; the plan's write units are cut into one consecutive run
+Each process reads the checkpoint's metadata (the pickles; tensor bytes stay on disk) with the
+single-process convert's own reader call and settings
+(:class:`~ucformat.write.convert.ConvertSettings`) and makes the same plan as ``ucformat
+convert``; the plan's write units are cut into one consecutive run
 of about equal bytes per process (:func:`ucformat.layout.ownership.writers_by_balance`), so each
 process reads about ``1/W`` of the source bytes, from whichever rank files its units need, and
 writes its shards with the converter's writer. Rank 0 prepares the destination and commits the
@@ -17,15 +19,12 @@ DST must be reachable from every node (a shared file system, or an object store 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ucformat.write.execute import DEFAULT_WORKERS
-
 if TYPE_CHECKING:
     from ucformat.store.keys import StoreLike
-    from ucformat.write.convert import ConvertHooks
+    from ucformat.write.convert import ConvertHooks, ConvertSettings
     from ucformat.write.spread import SpreadReport
 
 __all__ = ["JOIN_TIMEOUT_S", "convert_distributed", "join_process_group", "launched_distributed"]
@@ -72,22 +71,17 @@ def join_process_group() -> None:
 def convert_distributed(
     src: str | Path,
     dst: StoreLike,
+    settings: ConvertSettings | None = None,
     *,
-    tag: str | None = None,
-    overwrite: bool = False,
-    chunk_bytes: int | None = None,
-    shard_bytes: int | None = None,
-    compressor: str = "none",
-    workers: int = DEFAULT_WORKERS,
-    opaque_globals: Iterable[str] = (),
     hooks: ConvertHooks | None = None,
-    tp_max: int | None = None,
 ) -> SpreadReport:
     """``ucformat.convert`` run by every process of a distributed job; collective.
 
     Joins the default process group (``torch.distributed`` env:// settings, as torchrun sets
-    them) if the caller has not, and leaves it again at the end in that case. Arguments are
-    those of :func:`ucformat.convert`.
+    them) if the caller has not, and leaves it again at the end in that case. ``settings`` are
+    those of the single-process convert (:class:`~ucformat.write.convert.ConvertSettings`:
+    the same reader call, layout, source check and durability); ``workers`` are each
+    process's threads.
 
     Returns:
         This process's :class:`~ucformat.write.spread.SpreadReport` (``manifest`` is the
@@ -102,13 +96,12 @@ def convert_distributed(
     from ucformat.collective import agree, group
     from ucformat.format.dtypes import itemsize
     from ucformat.layout.ownership import writers_by_balance
-    from ucformat.sources.detect import read_source
     from ucformat.store.keys import open_store
-    from ucformat.store.locations import local_source
-    from ucformat.write.convert import ConvertHooks, _pickle_policy, convert_options
+    from ucformat.write.convert import ConvertHooks, ConvertSettings
     from ucformat.write.plan import plan_convert
     from ucformat.write.spread import write_spread
 
+    settings = settings or ConvertSettings()
     hooks = hooks or ConvertHooks()
     joined = False
     if not dist.is_initialized():
@@ -120,10 +113,8 @@ def convert_distributed(
         failure: Exception | None = None
         source = plan = target = None
         try:
-            source = read_source(local_source(src), tag=tag, policy=_pickle_policy(opaque_globals))
-            plan = plan_convert(
-                source, convert_options(chunk_bytes, shard_bytes, compressor, tp_max)
-            )
+            source = settings.read(src)
+            plan = plan_convert(source, settings.layout())
             target = open_store(dst, read_only=False)
         except Exception as exc:  # every process must learn of it
             failure = exc
@@ -143,9 +134,10 @@ def convert_distributed(
                 writers=writers_by_balance(sizes, ranks.world_size),
                 group=ranks,
                 where=where,
-                overwrite=overwrite,
-                workers=workers,
+                overwrite=settings.overwrite,
+                workers=settings.workers,
                 progress=hooks.on_bytes,
+                fsync=settings.fsync,
                 before_commit=source.check_integrity,  # a damaged source fails every process
             )
         finally:

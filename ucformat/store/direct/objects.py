@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import uuid
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -22,6 +21,7 @@ from zarr.buffer import default_buffer_prototype
 
 from ucformat.store.checked import CheckedStore
 from ucformat.store.keys import local_root, run
+from ucformat.sysio.fileio import replacing
 
 __all__ = ["fetch_bytes", "local_file", "local_object", "local_object_root", "make_folders"]
 
@@ -101,18 +101,6 @@ def local_object(store: Store, key: str) -> Iterator[int | None]:
     if path is None or store.read_only:
         yield None
         return
-    partial = path.with_suffix(f".{uuid.uuid4().hex}.partial")
-    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
-    try:  # its folder was usually made ahead (make_folders): no mkdir per object
-        fd = os.open(partial, flags, 0o644)
-    except FileNotFoundError:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(partial, flags, 0o644)
-    try:
+    # its folder was usually made ahead (make_folders): no mkdir per object
+    with replacing(path, make_folder=True) as fd:
         yield fd
-    except BaseException:
-        os.close(fd)
-        partial.unlink(missing_ok=True)
-        raise
-    os.close(fd)
-    partial.replace(path)
