@@ -12,7 +12,7 @@ from typing import Any
 
 import typer.core
 
-__all__ = ["PlainCommand"]
+__all__ = ["PlainCommand", "PlainGroup"]
 
 #: click's ``UsageError`` (Typer vendors click; this names it without a private import).
 _USAGE_ERROR: type[Exception] = next(
@@ -22,13 +22,36 @@ _USAGE_ERROR: type[Exception] = next(
 _BY_TYPE: dict[object, str] = {int: "N", float: "X", Path: "PATH"}
 
 
-def _one_line(error: Any, command: str) -> None:
-    """Make a click usage error print ``error: <message> (see 'ucformat ... --help')``."""
+def _one_line(error: Any, command: str, more: str = "") -> None:
+    """Make a click usage error print ``error: <message>[ more] (see 'ucformat ... --help')``."""
 
     def show(file: Any = None) -> None:
-        typer.echo(f"error: {error.format_message()} (see '{command} --help')", err=True)
+        said = f"{error.format_message()} {more}".strip()
+        typer.echo(f"error: {said} (see '{command} --help')", err=True)
 
     error.show = show
+
+
+class PlainGroup(typer.core.TyperGroup):
+    """A Typer group whose usage errors (a mistyped or missing command) are one line that lists
+    the commands."""
+
+    def parse_args(self, ctx: Any, args: list[str]) -> list[str]:
+        """Parse the group's own options; a usage error says itself in one line."""
+        try:
+            return super().parse_args(ctx, args)
+        except _USAGE_ERROR as error:
+            _one_line(error, ctx.command_path)
+            raise
+
+    def resolve_command(self, ctx: Any, args: list[str]) -> Any:
+        """Find the command; an unknown one is one line naming the commands there are."""
+        try:
+            return super().resolve_command(ctx, args)
+        except _USAGE_ERROR as error:
+            commands = ", ".join(self.list_commands(ctx))
+            _one_line(error, ctx.command_path, f"The commands are: {commands}.")
+            raise
 
 
 class PlainCommand(typer.core.TyperCommand):

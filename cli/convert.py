@@ -58,13 +58,17 @@ def convert_command(
     src: Annotated[
         str,
         typer.Argument(
-            help="DeepSpeed checkpoint (tag folder, or run folder with 'latest'), or a PyTorch "
-            "Distributed Checkpoint folder (has .metadata); local."
+            help="The checkpoint, a local folder: DeepSpeed ZeRO (tag folder, or run folder with "
+            "'latest'), PyTorch DCP (has .metadata: FSDP2, torchtitan, Lightning), Megatron-Core "
+            "torch_dist, or an Accelerate save_state folder."
         ),
     ],
     dst: Annotated[str, typer.Argument(help="Destination store: a path or an fsspec URL.")],
     tag: Annotated[
-        str | None, typer.Option(help="Tag to convert when SRC is a run folder.")
+        str | None,
+        typer.Option(
+            help="Tag to convert when SRC is a run folder [default: the one 'latest' names]."
+        ),
     ] = None,
     overwrite: Annotated[
         bool, typer.Option("--overwrite", help="Replace an existing store.")
@@ -140,7 +144,7 @@ def convert_command(
     ] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar.")] = False,
 ) -> None:
-    """Convert a DeepSpeed ZeRO-1/2/3 checkpoint or a PyTorch DCP folder into a ucformat store.
+    """Convert a checkpoint (DeepSpeed ZeRO-1/2/3, PyTorch DCP, Megatron-Core) into a store.
 
     With --distributed, under torchrun, every process writes a share of the shards and rank 0
     commits: torchrun [--nnodes K] --nproc_per_node N -m ucformat_cli convert --distributed

@@ -16,7 +16,7 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColu
 from ucformat.errors import UnsupportedExportError
 
 from ._errors import Left, interruptible
-from ._plain import PlainCommand
+from ._plain import PlainCommand, PlainGroup
 
 if TYPE_CHECKING:  # the exporters (and torch) are imported by the command that runs
     from ucformat.export import ExportHooks, ExportResult
@@ -25,9 +25,11 @@ export_app = typer.Typer(
     name="export",
     help="Write a store in another format: safetensors weights, DeepSpeed's universal "
     "checkpoint, a native DeepSpeed ZeRO checkpoint for a new world size, a PyTorch "
-    "Distributed Checkpoint, or a Megatron-Core torch_dist checkpoint for a new TP x PP x EP.",
+    "Distributed Checkpoint, an Accelerate save_state folder, or a Megatron-Core torch_dist "
+    "checkpoint for a new TP x PP x EP.",
     no_args_is_help=True,
     rich_markup_mode=None,  # plain help (defaults shown) and one-line usage errors
+    cls=PlainGroup,
 )
 
 Store = Annotated[str, typer.Argument(help="A ucformat store: path or fsspec URL.")]
@@ -42,7 +44,15 @@ Overwrite = Annotated[
 DryRun = Annotated[bool, typer.Option("--dry-run", help="Plan and validate; write nothing.")]
 Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar.")]
 Dtype = Annotated[
-    str | None, typer.Option(help="Training/output dtype of the weights: fp32, bf16 or fp16.")
+    str | None,
+    typer.Option(help="Dtype of the floating weights: fp32, bf16 or fp16 [default: fp32]."),
+]
+TrainDtype = Annotated[
+    str | None,
+    typer.Option(
+        help="Training dtype of that job: fp32, bf16 or fp16 [default: the config's, else the "
+        "source's]."
+    ),
 ]
 
 
@@ -160,7 +170,7 @@ def universal_command(
     store: Store,
     out: Out,
     tag: Annotated[
-        str | None, typer.Option(help="Folder name (default: <source tag>_universal).")
+        str | None, typer.Option(help="Folder name [default: <source tag>_universal].")
     ] = None,
     overwrite: Overwrite = False,
     dry_run: DryRun = False,
@@ -204,16 +214,16 @@ def deepspeed_command(
         ),
     ],
     stage: Annotated[int, typer.Option(help="ZeRO stage of that job: 1, 2 or 3.")],
-    dtype: Dtype = None,
+    dtype: TrainDtype = None,
     config: Annotated[
         Path | None,
-        typer.Option(help="That job's DeepSpeed config JSON (default: the source's config)."),
+        typer.Option(help="That job's DeepSpeed config JSON [default: the source's config]."),
     ] = None,
     tag: Annotated[
         str | None,
         typer.Option(
-            help="Checkpoint tag (default: the source's; <tag>_ws<W>_zero<S> when OUT already "
-            "holds the source's tag)."
+            help="Checkpoint tag [default: the source's, or <tag>_ws<W>_zero<S> when OUT "
+            "already holds the source's tag]."
         ),
     ] = None,
     overwrite: Annotated[
@@ -243,8 +253,8 @@ def deepspeed_command(
         int | None,
         typer.Option(
             "--ep-size",
-            help="MoE stores: expert-parallel size of that job (default: the source's); "
-            "writes DeepSpeed's expert files (docs/exports.md).",
+            help="MoE stores: expert-parallel size of that job; writes DeepSpeed's expert "
+            "files (docs/exports.md) [default: the source's].",
             min=1,
         ),
     ] = None,

@@ -8,7 +8,7 @@ import typer
 
 from ucformat import __version__
 
-from ._plain import PlainCommand
+from ._plain import PlainCommand, PlainGroup
 from .convert import convert_command
 from .export import export_app
 from .inspect import inspect_command
@@ -16,11 +16,14 @@ from .verify import verify_command
 
 app = typer.Typer(
     name="ucformat",
-    help="Universal checkpoints for DeepSpeed ZeRO: convert, inspect, verify, export.",
+    help="Universal checkpoints for DeepSpeed ZeRO, Megatron-Core, PyTorch DCP/FSDP2 and the "
+    "trainers built on them (HF Trainer, Accelerate, Lightning, torchtitan): convert, inspect, "
+    "verify, export.",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
     rich_markup_mode=None,  # plain help (defaults shown) and one-line usage errors
+    cls=PlainGroup,
 )
 
 
@@ -37,7 +40,8 @@ def main(
         typer.Option("--version", callback=_version, is_eager=True, help="Print the version."),
     ] = False,
 ) -> None:
-    """Universal checkpoints for DeepSpeed ZeRO."""
+    """Universal checkpoints for DeepSpeed ZeRO, Megatron-Core, PyTorch DCP/FSDP2 and the
+    trainers built on them."""
 
 
 app.command("convert", cls=PlainCommand)(convert_command)

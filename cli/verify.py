@@ -18,7 +18,10 @@ def verify_command(
     store: Annotated[str, typer.Argument(help="A ucformat store: path or fsspec URL.")],
     against: Annotated[
         str | None,
-        typer.Option(help="The DeepSpeed checkpoint it came from: compare every value with it."),
+        typer.Option(
+            help="The checkpoint it was converted from (DeepSpeed, DCP/FSDP2, Megatron-Core, a "
+            "client's folder): compare every value with it."
+        ),
     ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
     keep_going: Annotated[

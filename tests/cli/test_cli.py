@@ -312,7 +312,11 @@ def _empty(tmp_path: Path) -> Path:
 OPTIM1 = "zero_pp_rank_1_mp_rank_00_optim_states.pt"
 BAD_SOURCES: dict[str, tuple[Callable[[Path], Path], list[str], list[str]]] = {
     "missing folder": (lambda t: t / "nope", [], ["nope: no such file or directory"]),
-    "empty folder": (_empty, [], ["no DeepSpeed model-states file"]),
+    "empty folder": (
+        _empty,
+        [],
+        ["not a checkpoint ucformat reads", "_model_states.pt", "'.metadata'", "save_state"],
+    ),
     "a file, not a folder": (_file, [], ["ckpt.pt: is a file"]),
     "not a DeepSpeed .pt": (_not_deepspeed, [], ["not a DeepSpeed ZeRO model-states file"]),
     "missing rank file": (_delete(OPTIM1), [], [f"{OPTIM1}: missing", "every rank 0..2"]),

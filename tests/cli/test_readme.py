@@ -20,3 +20,11 @@ def test_the_readme_python_snippet_runs_as_pasted(monkeypatch: pytest.MonkeyPatc
     exec(compile(match.group(1), "README.md", "exec"), namespace)  # the user's own paste
     assert namespace["ckpt"] is not None
     assert os.path.exists("/tmp/ckpt.ucf/ucformat.json")
+
+
+def test_the_readme_lists_every_documentation_page_once() -> None:
+    text = (REPO / "README.md").read_text()
+    section = text.split("## Documentation\n", 1)[1].split("\n## ", 1)[0]
+    listed = re.findall(r"\[docs/([\w.-]+\.md)\]\(docs/\1\)", section)
+    assert len(listed) == len(set(listed)), sorted(p for p in listed if listed.count(p) > 1)
+    assert sorted(listed) == sorted(p.name for p in (REPO / "docs").glob("*.md"))

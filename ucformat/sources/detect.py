@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ucformat.errors import UnsupportedCheckpointError
+from ucformat.errors import NotACheckpointError, UnsupportedCheckpointError
 from ucformat.sources.accelerate import (
     accelerate_model_index,
     is_accelerate_folder,
@@ -112,4 +112,31 @@ def read_source(
         )
     if is_pipeline_folder(src, tag):
         return read_pipeline_checkpoint(src, tag, policy, check_crc=check_crc)
-    return unwrap_names(read_deepspeed_checkpoint(src, tag, policy, check_crc=check_crc))
+    try:
+        return unwrap_names(read_deepspeed_checkpoint(src, tag, policy, check_crc=check_crc))
+    except NotACheckpointError:
+        if tag is None and _nothing_known(src):
+            raise NotACheckpointError(_looked_for(src)) from None
+        raise
+
+
+def _nothing_known(src: Path) -> bool:
+    """Whether the folder ``src`` holds none of the files any reader starts from (a folder of
+    DeepSpeed shards without its model-states file keeps the DeepSpeed reader's message)."""
+    if not src.is_dir() or (src / "latest").exists():
+        return False
+    return not any(path.name.endswith("_states.pt") for path in src.iterdir())
+
+
+def _looked_for(src: Path) -> str:
+    """The one line for a folder that is no checkpoint: what was looked for, per format."""
+    names = sorted(p.name + ("/" if p.is_dir() else "") for p in src.iterdir())
+    found = ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
+    return (
+        f"{src}: not a checkpoint ucformat reads. Looked for: DeepSpeed ZeRO (a tag folder with "
+        "mp_rank_00_model_states.pt or zero_pp_rank_0_mp_rank_00_model_states.pt, or a run "
+        "folder with 'latest'; a Hugging Face Trainer checkpoint-N/ is one); PyTorch DCP (a "
+        "'.metadata' file: dcp.save, FSDP2, torchtitan, Lightning; with 'common.pt': "
+        "Megatron-Core torch_dist); Accelerate FSDP2 save_state (a 'pytorch_model_fsdp_0/' "
+        f"folder). Found: {found or 'nothing (the folder is empty)'}."
+    )

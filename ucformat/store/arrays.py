@@ -14,8 +14,10 @@ the array and the chunk: never data.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import json
+import warnings
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -261,7 +263,8 @@ def read_box(array: zarr.Array[Any], box: tuple[slice, ...]) -> np.ndarray:
             the array, the first bad chunk's grid coordinates and its flat element range.
     """
     try:
-        return np.asarray(array[box])
+        with _damage_quiet():
+            return np.asarray(array[box])
     except ChunkMissingError:
         raise
     except (ValueError, RuntimeError) as exc:
@@ -276,6 +279,18 @@ def read_box(array: zarr.Array[Any], box: tuple[slice, ...]) -> np.ndarray:
             f"{array.path}: {first.describe()} {first.reason}; the store is corrupt, no values "
             "were returned (run 'ucformat verify' for a full report)."
         ) from None
+
+
+@contextlib.contextmanager
+def _damage_quiet() -> Iterator[None]:
+    """No numpy overflow warnings while zarr decodes a shard: a damaged or hostile index
+    (an offset + length past 2**64) makes zarr's sharding codec add uint64 scalars that wrap,
+    which numpy reports on stderr before the read fails; the failure is reported, in one line,
+    by the caller. (The warning is raised on zarr's event-loop thread, so the process-wide
+    filter is what reaches it, not ``np.errstate``.)"""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "overflow encountered", RuntimeWarning)
+        yield
 
 
 @dataclass(frozen=True)
@@ -298,7 +313,8 @@ def bad_chunks(array: zarr.Array[Any], box: tuple[slice, ...]) -> Iterator[BadCh
     shape, chunks = tuple(array.shape), tuple(array.chunks)
     for coords in chunks_in_box(shape, chunks, box):
         try:
-            np.asarray(array[chunk_box(shape, chunks, coords)])
+            with _damage_quiet():
+                np.asarray(array[chunk_box(shape, chunks, coords)])
         except ChunkMissingError:
             raise
         except (ValueError, RuntimeError) as exc:

@@ -117,11 +117,9 @@ def _check_local(store: StagedLocalStore, path: Path, overwrite: bool) -> None:
 
 
 def _check_ours(root: Path, names: set[str], overwrite: bool) -> None:
-    """Refuse a non-empty local destination unless ``overwrite`` and it is a ucformat store."""
-    if not overwrite:
-        raise StoreExistsError(
-            f"{root}: already exists and is not empty; pass overwrite=True to replace it."
-        )
+    """Refuse a non-empty local destination unless it is a ucformat store and ``overwrite``
+    (a folder that is no store is refused whatever ``overwrite`` says, so the message never
+    suggests it)."""
     ours = names & {MANIFEST_KEY, ROOT_KEY} or all(
         _PARTIAL_ROOT.match(name) or (name in _STORE_FOLDERS and (root / name).is_dir())
         for name in names
@@ -130,6 +128,10 @@ def _check_ours(root: Path, names: set[str], overwrite: bool) -> None:
         raise StoreExistsError(
             f"{root}: exists and is not a ucformat store (no {ROOT_KEY} or {MANIFEST_KEY}); "
             "refusing to overwrite it. Choose an empty or new destination."
+        )
+    if not overwrite:
+        raise StoreExistsError(
+            f"{root}: already exists and is not empty; pass overwrite=True to replace it."
         )
 
 

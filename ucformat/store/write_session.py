@@ -1,8 +1,11 @@
-"""Take and give back a destination's writer lock, for any kind of store (docs/format.md §6.3).
+"""Take and give back the writer lock of a store that is not staged locally (docs/format.md §6.3).
 
-:func:`acquire_writer` runs before a writer touches the destination
-(:func:`ucformat.store.lifecycle.start_store`); :func:`release_writer` after the commit
-(:func:`ucformat.store.manifest_io.commit_manifest`) or the discard of a failed write.
+An object store's lock object (a conditional PUT on S3), or the lock beside a plain local
+store; a staged local store's lock is taken and released by its
+:class:`~ucformat.store.destination.LocalDestination`. :func:`acquire_writer` runs before a
+writer touches the destination (:func:`ucformat.store.lifecycle.start_store`);
+:func:`release_writer` after the commit (:func:`ucformat.store.manifest_io.commit_manifest`)
+or the discard of a failed write.
 """
 
 from __future__ import annotations

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ucformat.errors import LayoutMismatchError
 from ucformat.format.models import ArrayRef, CheckpointManifest
 from ucformat.layout.chunking import Chunking
 from ucformat.sources.base import SourceCheckpoint
@@ -88,8 +89,31 @@ def replan_source(
     deepspeed_tag = manifest.source.framework == "deepspeed" and stored and (src / stored).is_dir()
     tag = stored if deepspeed_tag else None
     with read_source(src, tag=tag, policy=policy, check_crc=check_crc) as source:
+        _check_shapes(source, manifest, src)
         plan = plan_convert(source, options)
         units: dict[str, dict[int, WriteUnit]] = {ref.path: {} for ref in plan.arrays}
         for unit in plan.units:
             units[plan.arrays[unit.array].path][unit.flat_start] = unit
         yield SourceShards(plan, {ref.path: ref for ref in plan.arrays}, units, source)
+
+
+def _check_shapes(source: SourceCheckpoint, manifest: CheckpointManifest, src: Path) -> None:
+    """Refuse a source whose parameter or buffer of a stored name has another shape: the store
+    was not converted from it, and no value can be compared.
+
+    Raises:
+        LayoutMismatchError: one line naming the first such tensor and both shapes.
+    """
+    pairs = [
+        *((name, "parameter", param.shape, manifest.params.get(name))
+          for name, param in source.params.items()),
+        *((name, "buffer", buffer.shape, manifest.buffers.get(name))
+          for name, buffer in source.buffers.items()),
+    ]  # fmt: skip
+    for name, kind, shape, entry in pairs:
+        if entry is not None and list(shape) != list(entry.shape):
+            raise LayoutMismatchError(
+                f"{src}: {kind} '{name}' has shape {list(shape)} there but {list(entry.shape)} "
+                "in the store, so the store was not converted from this checkpoint; give "
+                "--against the checkpoint it was converted from."
+            )

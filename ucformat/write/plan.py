@@ -172,6 +172,7 @@ def plan_convert(source: SourceCheckpoint, options: ConvertOptions) -> ConvertPl
     legacy = (options.format_version or "").partition(".")[0] == "1"
     aliases: dict[str, list[str]] = {}
     for alias, owner in source.tied.items():
+        _check_name(alias, "tied alias", f" of parameter '{owner}'")
         aliases.setdefault(owner, []).append(alias)
     params: dict[str, ParamEntry] = {}
     for name, param in source.params.items():
@@ -269,7 +270,7 @@ def _format_states(arrays: Mapping[str, ArraySource], legacy: bool) -> Mapping[s
 
 
 def _check_name(name: str, kind: str, owner: str = "") -> None:
-    problem = name_problem(name, kind)
+    problem = name_problem(name, "parameter" if kind == "tied alias" else kind)
     if problem is not None:
         raise InvalidNameError(
             f"{kind} name {name!r}{owner} cannot name an array of a ucformat store: {problem} "
