@@ -1,8 +1,8 @@
-"""ucformat: universal checkpoints for DeepSpeed ZeRO.
+"""ucformat: universal checkpoints for DeepSpeed ZeRO, Megatron-Core and PyTorch DCP/FSDP2.
 
-Convert per-rank ZeRO shards into a zarr v3 store of per-parameter arrays described by a
-pydantic manifest, then load it at any world size and ZeRO stage, each rank reading only the
-bytes of its own partition.
+Convert per-rank checkpoint shards into a zarr v3 store of per-parameter arrays described by a
+pydantic manifest, then load it at any world size and layout, each rank reading only the bytes
+of its own part.
 
 >>> manifest = ucformat.convert("runs/gpt/global_step800", "ckpt.ucf")  # doctest: +SKIP
 >>> ckpt = ucformat.open("ckpt.ucf")  # doctest: +SKIP
