@@ -22,7 +22,7 @@ FLOORS: tuple[frozenset[str], ...] = (
     frozenset({"read", "write"}),
     frozenset({"verify", "export", "deepspeed", "torch", "megatron"}),
     frozenset({"lightning", "transformers"}),  # trainer bindings over deepspeed/ and torch/
-    frozenset({""}),  # ucformat/__init__.py: the public API
+    frozenset({"", "__main__"}),  # ucformat/__init__.py: the public API; python -m ucformat
 )
 
 

@@ -64,10 +64,11 @@ __all__ = [
 INSIDE_STAGING = ".ucformat-staging"
 _STAGING_SUFFIX = ".ucformat-staging"
 _ASIDE_PREFIX = ".ucformat-replaced-"
-#: Names only a writer in progress (or killed) leaves: never a store, never an export's file.
+#: Names only a writer in progress (or killed) leaves: never a store, never an export's file
+#: (``.ucformat-lock``: the lock inside a destination that is a mount point).
 _TRANSIENT = re.compile(
     r"^(\..+\.ucformat-staging|\..+\.ucformat-old-[0-9a-f]+|\.ucformat-staging"
-    r"|\.ucformat-replaced-[0-9a-f]+)$"
+    r"|\.ucformat-replaced-[0-9a-f]+|\.ucformat-lock)$"
 )
 _RENAME_EXCHANGE = 2
 _AT_FDCWD = -100
