@@ -40,9 +40,10 @@ def run() -> None:
         from ucformat_cli.main import app
 
         app(prog_name="ucformat")
-    except KeyboardInterrupt:  # during the imports, before Typer took over
-        print(_outside_a_command(_phase()), file=sys.stderr, flush=True)
-        raise SystemExit(INTERRUPTED) from None
+    except KeyboardInterrupt:  # during the imports, before Typer took over, or after it
+        phase = _phase()
+        print(_outside_a_command(phase), file=sys.stderr, flush=True)
+        raise SystemExit(_ended_with() if phase == "finished" else INTERRUPTED) from None
     except SystemExit as exc:
         phase = _phase()
         if exc.code == INTERRUPTED and phase != "interrupted":

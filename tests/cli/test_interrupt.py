@@ -1,10 +1,14 @@
-"""Ctrl-C outside every command body (imports, argument parsing) still gives one line and 130.
+"""Ctrl-C outside every command body: one line, and an exit code that tells the truth (130
+during the imports or argument parsing; the command's own code once it has ended).
 
 The commands' own interrupt messages are tested with real signals in
-tests/integration/test_overwrite_safety.py; these cover the entry point around them.
+tests/integration/test_interrupts.py and tests/integration/test_overwrite_safety.py; these
+cover the entry point around them.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import pytest
 import typer
@@ -18,6 +22,7 @@ def _fresh_process(monkeypatch: pytest.MonkeyPatch) -> None:
     """No arguments, and no command run yet in this "process"."""
     monkeypatch.setattr("sys.argv", ["ucformat"])
     monkeypatch.setattr(cli_errors, "_PHASE", [])
+    monkeypatch.setattr(cli_errors, "_ENDED_WITH", [])
 
 
 def _interrupting_app() -> typer.Typer:
@@ -73,3 +78,48 @@ def test_a_command_that_reported_its_interrupt_is_not_reported_twice(
         entry.run()
     assert exit_info.value.code == 130
     assert capsys.readouterr().err == "interrupted\n"
+
+
+@pytest.mark.parametrize("how", ["typer", "after typer"])
+def test_an_interrupt_after_the_command_succeeded_keeps_its_exit_code(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], how: str
+) -> None:
+    """Its work is done and its summary printed: a script checking $? sees success."""
+
+    @cli_errors.user_errors
+    def work() -> None:
+        print("wrote the store")
+
+    def app(prog_name: str) -> None:
+        work()
+        if how == "typer":  # landed while Typer was still finishing: it exits 130 silently
+            raise SystemExit(130)
+        raise KeyboardInterrupt  # landed on the way out
+
+    monkeypatch.setattr(cli_main, "app", app)
+    with pytest.raises(SystemExit) as exit_info:
+        entry.run()
+    assert exit_info.value.code == 0
+    captured = capsys.readouterr()
+    assert captured.out == "wrote the store\n"
+    assert (
+        captured.err == "interrupted after the command had ended; what it printed above stands.\n"
+    )
+
+
+def test_an_interrupt_after_a_failed_command_keeps_its_exit_code(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    @cli_errors.user_errors
+    def work() -> None:
+        raise typer.Exit(code=1)  # verify: problems found
+
+    def app(prog_name: str) -> None:
+        with contextlib.suppress(typer.Exit):
+            work()
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli_main, "app", app)
+    with pytest.raises(SystemExit) as exit_info:
+        entry.run()
+    assert exit_info.value.code == 1
