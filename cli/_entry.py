@@ -10,6 +10,7 @@ printed stands). Typer would otherwise exit 130 in silence, and Python print a t
 
 from __future__ import annotations
 
+import signal
 import sys
 
 #: Exit code of an interrupted command (128 + SIGINT), as shells report it.
@@ -41,13 +42,21 @@ def run() -> None:
 
         app(prog_name="ucformat")
     except KeyboardInterrupt:  # during the imports, before Typer took over, or after it
+        _ended()
         phase = _phase()
         print(_outside_a_command(phase), file=sys.stderr, flush=True)
         raise SystemExit(_ended_with() if phase == "finished" else INTERRUPTED) from None
     except SystemExit as exc:
+        _ended()
         phase = _phase()
         if exc.code == INTERRUPTED and phase != "interrupted":
             print(_outside_a_command(phase), file=sys.stderr, flush=True)
             if phase == "finished":  # its work is done: exit as it would have
                 raise SystemExit(_ended_with()) from None
         raise
+
+
+def _ended() -> None:
+    """The command is over: a Ctrl-C while the interpreter shuts down (joining the writers'
+    threads, flushing) must not turn its exit code into a death by SIGINT."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)

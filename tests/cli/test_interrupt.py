@@ -23,6 +23,7 @@ def _fresh_process(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr("sys.argv", ["ucformat"])
     monkeypatch.setattr(cli_errors, "_PHASE", [])
     monkeypatch.setattr(cli_errors, "_ENDED_WITH", [])
+    monkeypatch.setattr(entry, "_ended", lambda: None)  # keep this process's own Ctrl-C
 
 
 def _interrupting_app() -> typer.Typer:
