@@ -47,6 +47,12 @@ Dtype = Annotated[
     str | None,
     typer.Option(help="Dtype of the floating weights: fp32, bf16 or fp16 [default: fp32]."),
 ]
+SourceDtype = Annotated[
+    str | None,
+    typer.Option(
+        help="Dtype of the weights: fp32, bf16 or fp16 [default: the source's training dtype]."
+    ),
+]
 TrainDtype = Annotated[
     str | None,
     typer.Option(
@@ -384,7 +390,7 @@ def accelerate_command(
     )
 
 
-@user_errors
+@interruptible(_interrupted)
 def megatron_command(
     store: Store,
     out: Out,
@@ -402,22 +408,40 @@ def megatron_command(
             show_default=False,
         ),
     ] = None,
-    dtype: Dtype = None,
+    dtype: SourceDtype = None,
     first_stage_layers: Annotated[
         int | None,
-        typer.Option(help="Layers of the first pipeline stage (uneven stages).", min=0),
+        typer.Option(
+            help="Layers of the first pipeline stage (uneven stages) [default: the source's "
+            "at its own --pp, else even].",
+            min=0,
+        ),
     ] = None,
     last_stage_layers: Annotated[
         int | None,
-        typer.Option(help="Layers of the last pipeline stage (uneven stages).", min=0),
+        typer.Option(
+            help="Layers of the last pipeline stage (uneven stages) [default: the source's "
+            "at its own --pp, else even].",
+            min=0,
+        ),
     ] = None,
     vpp: Annotated[
         int | None,
-        typer.Option("--vpp", help="Virtual pipeline stages per pipeline rank.", min=1),
+        typer.Option(
+            "--vpp",
+            help="Virtual pipeline stages per pipeline rank [default: the source's at its own "
+            "--pp, else 1].",
+            min=1,
+        ),
     ] = None,
     etp: Annotated[
         int | None,
-        typer.Option("--etp", help="The experts' tensor-parallel degree [default: --tp].", min=1),
+        typer.Option(
+            "--etp",
+            help="The experts' tensor-parallel degree [default: the source's at its own TP and "
+            "EP, else --tp].",
+            min=1,
+        ),
     ] = None,
     overwrite: Overwrite = False,
     dry_run: DryRun = False,

@@ -54,13 +54,11 @@ from ucformat.export.common import (
     ExportHooks,
     ExportResult,
     Stopwatch,
-    atomic_torch_save,
-    atomic_write_bytes,
     open_store_arg,
     parse_dtype,
 )
 from ucformat.export.dcp import DcpPiece, DcpTensorItem, DcpValueItem, write_dcp_files
-from ucformat.export.replace import transactional
+from ucformat.export.destination import save_torch, transactional, write_bytes
 from ucformat.export.run_folder import Destination, check_run_folder, prepare_folder
 from ucformat.export.url_target import export_to_url, is_url
 from ucformat.format.megatron_state import (
@@ -456,12 +454,13 @@ def _destination(folder: Path, plan: MegatronPlan, overwrite: bool) -> Destinati
 def _write(
     ckpt: UniversalCheckpoint, plan: MegatronPlan, dest: Destination, hooks: ExportHooks
 ) -> None:
-    iteration_dir = prepare_folder(dest)
+    iteration_dir = prepare_folder(dest, pointer=TRACKER)  # staged: the commit moves it in
     world = plan.grid.world_size
-    write_dcp_files(ckpt, iteration_dir, plan.tensors, plan.objects, world, iteration_dir, hooks)
-    atomic_torch_save(common_state(plan), iteration_dir / COMMON)
-    atomic_write_bytes(iteration_dir / METADATA_JSON, json.dumps(BACKEND).encode())
-    atomic_write_bytes(dest.folder / TRACKER, str(plan.iteration).encode())
+    checkpoint_id = dest.folder / dest.tag  # what the DCP metadata names: where it will be
+    write_dcp_files(ckpt, iteration_dir, plan.tensors, plan.objects, world, checkpoint_id, hooks)
+    save_torch(common_state(plan), iteration_dir / COMMON)
+    write_bytes(iteration_dir / METADATA_JSON, json.dumps(BACKEND).encode())
+    write_bytes(iteration_dir.parent / TRACKER, str(plan.iteration).encode())
 
 
 @transactional

@@ -149,15 +149,16 @@ def check_run_folder(
         )
 
 
-def prepare_folder(dest: Destination) -> Path:
+def prepare_folder(dest: Destination, pointer: str = LATEST) -> Path:
     """Stage the run folder (:func:`ucformat.export.destination.stage`); return the (empty)
-    staged tag folder. ``latest`` goes beside it (``tag_folder.parent``); the commit moves the
-    tag folder in, then ``latest``, and deletes the tag folder replaced and, if asked for, the
-    previous tag (only once the new one and ``latest`` are in place)."""
-    gone = {dest.tag, LATEST}
+    staged tag folder. The ``pointer`` file (DeepSpeed's ``latest``, Megatron-LM's tracker)
+    goes beside it (``tag_folder.parent``); the commit moves the tag folder in, then the
+    pointer, and deletes the tag folder replaced and, if asked for, the previous tag (only once
+    the new one and the pointer are in place)."""
+    gone = {dest.tag, pointer}
     if dest.remove_previous and _plain_name(dest.previous) and dest.previous != dest.tag:
         gone.add(str(dest.previous))
-    staged = stage(dest.folder, owned=lambda name: name in gone, last=(LATEST,))
+    staged = stage(dest.folder, owned=lambda name: name in gone, last=(pointer,))
     tag_dir = staged / dest.tag
     tag_dir.mkdir()
     return tag_dir
