@@ -142,3 +142,34 @@ def test_every_option_reaches_the_distributed_convert(tmp_path: Path) -> None:
     assert "fails its CRC-32" in crc[0]["stderr"], crc[0]
     with pytest.raises((IncompleteStoreError, NotAStoreError, SourceNotFoundError)):
         ucformat.open(checked)
+
+
+def test_one_process_joins_and_leaves_again(tmp_path: Path) -> None:
+    """Commands that each join torchrun's group and leave it again, one after another in the
+    same processes (a script calling ``convert_distributed`` twice): each one's group is new,
+    none meets the keys the one before left in the rendezvous store (that hung the second
+    join), and every store equals the single-process convert's."""
+    dsts = [tmp_path / f"again{i}.ucf" for i in range(3)]
+    spec = tmp_path / "jobs.json"
+    spec.write_text(
+        json.dumps(
+            {
+                "commands": [["convert", "--distributed", str(SOURCE), str(d), "-q", *SMALL]
+                             for d in dsts],
+                "result": str(tmp_path / "results"),
+                "own_joins": True,
+            }
+        )
+    )  # fmt: skip
+    worker = REPO_ROOT / "tests" / "fixtures" / "_cli_jobs_worker.py"
+    env = {"UCFORMAT_JOIN_TIMEOUT_S": "120"}
+    done = run_in_group(
+        torchrun_command(2, [str(worker), "--jobs", str(spec)]), timeout_s=600, env=env
+    )
+    assert done.returncode == 0, "the launch failed or hung"
+    ranks = [json.loads((tmp_path / f"results.rank{r}.json").read_text()) for r in range(2)]
+    assert [[r["code"] for r in rank] for rank in ranks] == [[0, 0, 0], [0, 0, 0]], ranks
+    single = tmp_path / "single.ucf"
+    ucformat.convert(SOURCE, single, chunk_bytes=1024, shard_bytes=1024 * 1024)
+    for dst in dsts:
+        assert _objects(dst) == _objects(single)

@@ -18,9 +18,10 @@ DST must be reachable from every node (a shared file system, or an object store 
 
 from __future__ import annotations
 
+import itertools
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from ucformat.store.keys import StoreLike
@@ -43,8 +44,20 @@ def launched_distributed() -> bool:
 JOIN_TIMEOUT_S = 300.0
 
 
+#: The rendezvous store of this process's joins, made once: a second join talks to the same
+#: server (a new TCPStore server on the same port would fail while the first one lives).
+_JOIN_STORE: list[Any] = []
+#: Joins made by this process so far. Every process joins in the same order, so the number
+#: names the same join everywhere; each join's keys live under their own prefix, because a
+#: re-initialised default group would otherwise meet the keys the previous one left in the
+#: store and some ranks would connect to a group the others have left (a hang).
+_JOINS = itertools.count()
+
+
 def join_process_group() -> None:
     """Join torchrun's process group (gloo), waiting at most ``UCFORMAT_JOIN_TIMEOUT_S``.
+
+    May be called again after the group was destroyed (one join after another in one process).
 
     Raises:
         DistributedWriteError: the other processes did not join in time (one line).
@@ -59,8 +72,21 @@ def join_process_group() -> None:
     rank, world = os.environ.get("RANK", "?"), os.environ.get("WORLD_SIZE", "?")
     where = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
     try:
-        dist.init_process_group(backend="gloo", timeout=timedelta(seconds=seconds))
-    except (RuntimeError, ValueError) as exc:  # DistStoreError / DistNetworkError / timeouts
+        if not _JOIN_STORE:
+            store, _, _ = next(dist.rendezvous("env://", timeout=timedelta(seconds=seconds)))
+            _JOIN_STORE.append(store)
+        dist.init_process_group(
+            backend="gloo",
+            store=dist.PrefixStore(f"ucformat-join/{next(_JOINS)}", _JOIN_STORE[0]),  # type: ignore[attr-defined]
+            rank=int(os.environ["RANK"]),
+            world_size=int(os.environ["WORLD_SIZE"]),
+            timeout=timedelta(seconds=seconds),
+        )
+    except (
+        RuntimeError,
+        ValueError,
+        KeyError,
+    ) as exc:  # DistStoreError / DistNetworkError / timeouts
         raise DistributedWriteError(
             f"rank {rank} of {world}: the other processes did not join at {where} within "
             f"{seconds:.0f}s ({type(exc).__name__}); start all {world} with the same torchrun "
