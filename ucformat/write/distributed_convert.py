@@ -73,7 +73,8 @@ def join_process_group() -> None:
     where = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
     try:
         if not _JOIN_STORE:
-            store, _, _ = next(dist.rendezvous("env://", timeout=timedelta(seconds=seconds)))
+            rendezvous = dist.rendezvous  # type: ignore[attr-defined]
+            store, _, _ = next(rendezvous("env://", timeout=timedelta(seconds=seconds)))
             _JOIN_STORE.append(store)
         dist.init_process_group(
             backend="gloo",
