@@ -25,7 +25,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from tests.fixtures import _megatron_worker as fixture  # noqa: E402
-from tests.fixtures._megatron_resume_worker import serve  # noqa: E402
+from tests.fixtures._megatron_worker import serve  # noqa: E402
 
 
 def _rchar() -> int:
