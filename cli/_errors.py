@@ -37,6 +37,21 @@ class Left:
     committed: bool = False
 
 
+def left_at(where: str, dry_run: bool, committed: str, uncommitted: str) -> Left:
+    """What an interrupted write left at ``where``, read from the disk (docs/format.md §6.2):
+    the local destination's own state, or for a URL the ``committed`` line when this process
+    had committed and the ``uncommitted`` one otherwise."""
+    from ucformat.store.destination import left_on_disk, was_committed
+    from ucformat.store.locations import local_directory
+
+    if dry_run:
+        return Left("nothing was written.")
+    done = was_committed(where)
+    if local_directory(where) is not None:
+        return Left(f"{left_on_disk(where)}.", done)
+    return Left(committed, True) if done else Left(uncommitted)
+
+
 def command_phase() -> str:
     """Where the command is: "", "running", "finished" or "interrupted" (for the entry point)."""
     return _PHASE[-1] if _PHASE else ""

@@ -17,7 +17,7 @@ from rich.progress import (
 
 from ucformat.format.summary import format_bytes
 
-from ._errors import Left, interruptible
+from ._errors import Left, interruptible, left_at
 
 if TYPE_CHECKING:
     from ucformat.format.models import CheckpointManifest
@@ -36,18 +36,11 @@ _FORMATS = {
 def _interrupted(options: dict[str, object]) -> Left:
     """The Ctrl-C line: what is really on disk at DST, read from the disk (docs/format.md §6.2);
     a write this process had committed makes the command exit 0."""
-    from ucformat.store.destination import left_on_disk, was_committed
-    from ucformat.store.locations import local_directory
-
     dst = str(options.get("dst"))
-    if options.get("dry_run"):
-        return Left("nothing was written.")
-    committed = was_committed(dst)
-    if local_directory(dst) is not None:
-        return Left(f"{left_on_disk(dst)}.", committed)
-    if committed:
-        return Left(f"the write was committed before the interrupt; {dst} is complete.", True)
-    return Left(
+    return left_at(
+        dst,
+        bool(options.get("dry_run")),
+        f"the write was committed before the interrupt; {dst} is complete.",
         f"nothing was committed; {dst} may hold an uncommitted store, which readers refuse "
         "(re-run with --overwrite).",
     )

@@ -15,7 +15,7 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColu
 
 from ucformat.errors import UnsupportedExportError
 
-from ._errors import Left, interruptible
+from ._errors import Left, interruptible, left_at
 from ._plain import PlainCommand, PlainGroup
 
 if TYPE_CHECKING:  # the exporters (and torch) are imported by the command that runs
@@ -65,18 +65,11 @@ TrainDtype = Annotated[
 def _interrupted(options: dict[str, object]) -> Left:
     """The Ctrl-C line: what is really at OUT, read from the disk (docs/format.md §6.2); an
     export this process had committed makes the command exit 0."""
-    from ucformat.store.destination import left_on_disk, was_committed
-    from ucformat.store.locations import local_directory
-
     out = str(options.get("out"))
-    if options.get("dry_run"):
-        return Left("nothing was written.")
-    committed = was_committed(out)
-    if local_directory(out) is not None:
-        return Left(f"{left_on_disk(out)}.", committed)
-    if committed:
-        return Left(f"the export was complete before the interrupt; {out} holds it.", True)
-    return Left(
+    return left_at(
+        out,
+        bool(options.get("dry_run")),
+        f"the export was complete before the interrupt; {out} holds it.",
         f"nothing was committed; objects uploaded to {out} before the interrupt may remain, "
         "without the files that mark a finished export (re-run with --overwrite).",
     )
