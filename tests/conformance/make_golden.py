@@ -60,21 +60,34 @@ class Golden:
     shard_bytes: int = SHARD_BYTES
     #: format-1 stores: frozen values under "fp32" (written by ucformat 0.1.0, not regenerated)
     legacy: bool = False
+    #: The format version of a store an older writer wrote, kept as it is (never regenerated:
+    #: the reader must go on reading it); None: written by the current writer.
+    frozen: str | None = None
+
+    @property
+    def version(self) -> str | None:
+        """The store's ``format_version`` when it is frozen (None: the current writer's)."""
+        return "1.0" if self.legacy else self.frozen
 
 
 GOLDENS = (
+    # Format 2.0 (written by ucformat before format 2.1, kept as they are):
     # fp16 training: fp16 frozen params, tied embedding, fp32 + int64 buffers, torch Adam's
     # float32 0-d `step` tensors, uncompressed
-    Golden("z1-fp16-tadam-ftb", "z1-fp16-tadam-ftb-ws2"),
+    Golden("z1-fp16-tadam-ftb", "z1-fp16-tadam-ftb-ws2", frozen="2.0"),
     # bf16 training under ZeRO-3: bf16 frozen params, tied, buffers, FusedAdam's int step, zstd
-    Golden("z3-bf16-dsadam-ftb-zstd", "z3-bf16-dsadam-ftb-ws4", compressor="zstd"),
+    Golden("z3-bf16-dsadam-ftb-zstd", "z3-bf16-dsadam-ftb-ws4", compressor="zstd", frozen="2.0"),
     # fp32 training, ZeRO-2 at world size 3: fp32 frozen params, tied, buffers
-    Golden("z2-fp32-dsadam-ftb", "z2-fp32-dsadam-ftb-ws3"),
+    Golden("z2-fp32-dsadam-ftb", "z2-fp32-dsadam-ftb-ws3", frozen="2.0"),
     # several optimizer groups, fp16 under ZeRO-3
-    Golden("z3-fp16-tadam-multi", "z3-fp16-tadam-multi-ws2"),
+    Golden("z3-fp16-tadam-multi", "z3-fp16-tadam-multi-ws2", frozen="2.0"),
     # buffers of every other dtype (float64, int32, int16, int8, uint8, bool, ...), ZeRO-2
-    Golden("dtype-zoo", ZOO, chunk_bytes=8, shard_bytes=16),
+    Golden("dtype-zoo", ZOO, chunk_bytes=8, shard_bytes=16, frozen="2.0"),
+    # Format 1.0 (ucformat 0.1.0's first format)
     Golden("v1.0-z1-fp16-tadam-ftb", "z1-fp16-tadam-ftb-ws2", legacy=True),
+    # Format 3.0: box chunks (written by the format-3.0 writer with tp_max 2, dp_max 2 and box
+    # chunks from 256 bytes on; one array per (parameter, state), keys with '/')
+    Golden("v3.0-z2-fp32-dsadam-ftb-box", "z2-fp32-dsadam-ftb-ws3", frozen="3.0"),
 )
 
 
@@ -155,12 +168,13 @@ def write_expected(golden: Golden, truth: dict[str, Any]) -> None:
 
 
 def main() -> None:
-    """(Re)write every golden store (but the format-1 ones) and every expected folder."""
+    """(Re)write every golden store of the current writer (not the frozen ones of older
+    formats) and every expected folder."""
     scratch = Path(tempfile.mkdtemp(prefix="ucf-golden-"))
     try:
         for golden in GOLDENS:
             source = save_dtype_zoo(scratch / ZOO) if golden.case == ZOO else case_dir(golden.case)
-            if not golden.legacy:
+            if golden.version is None:
                 convert(
                     source / "ckpt",
                     GOLDEN / golden.name,

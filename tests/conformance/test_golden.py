@@ -24,7 +24,7 @@ import torch
 import ucformat
 from tests.conformance.make_golden import EXPECTED, GOLDEN, GOLDENS, Golden
 from ucformat.format.dtypes import DTYPE_NAMES
-from ucformat.format.spec import state_array_path
+from ucformat.format.spec import FORMAT_VERSION, state_array_path
 
 STORES = [pytest.param(g, id=g.name) for g in GOLDENS]
 
@@ -61,7 +61,7 @@ def test_golden_through_ucformat(golden: Golden) -> None:
     want = expected(golden)
     ckpt = ucformat.open(GOLDEN / golden.name)
     manifest = ckpt.manifest
-    assert manifest.format_version == ("1.0" if golden.legacy else "2.0")
+    assert manifest.format_version == (golden.version or FORMAT_VERSION)
     seen = set()
     for name, entry in manifest.params.items():
         for state, ref in entry.states.items():
