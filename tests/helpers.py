@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+from typing import Any
+
+import numpy as np
+
 from ucformat.format.models import (
     ArrayRef,
     CheckpointManifest,
@@ -67,3 +71,37 @@ def tiny_manifest() -> CheckpointManifest:
             groups=[OptimizerGroup(params=list(params), hyperparams={"lr": 0.001})],
         ),
     )
+
+
+def logical_values(store: Any, ref: ArrayRef) -> np.ndarray:
+    """The values of the logical array ``ref`` in its storage dtype, read whole through zarr
+    from the zarr array holding it (its stack's ``[index]`` in a format-3.1 store)."""
+    from ucformat.format.stacks import stored_array
+    from ucformat.store.arrays import array_from_manifest
+
+    array = array_from_manifest(store, stored_array(ref))
+    return np.asarray(array[...] if ref.stack is None else array[ref.stack.index])
+
+
+def shard_key(ref: ArrayRef, coords: tuple[int, ...]) -> str:
+    """The store key of shard ``coords`` (in the logical array's own shard grid) of ``ref``:
+    ``params/w/fp32/c/1/0`` in a format-3.0 store, ``stacks/3/c.<q>.1.0`` in a stack."""
+    from ucformat.format.stacks import stored_array
+
+    stored = stored_array(ref)
+    if ref.stack is None:
+        return stored.shard_key(coords)
+    return stored.shard_key((ref.stack.index // ref.stack.per_shard, *coords))
+
+
+def read_cost(ref: ArrayRef, ranges: list[tuple[int, int]], *, runs: bool = False) -> Any:
+    """What :mod:`ucformat.layout.reads` says reading flat ``ranges`` of ``ref`` costs, in the
+    geometry of the zarr array holding it (a stack's index is that of its shared shards)."""
+    from ucformat.format.dtypes import itemsize
+    from ucformat.format.stacks import placement
+    from ucformat.layout.reads import range_read_cost, runs_read_cost
+
+    stored, offset = placement(ref)
+    moved = [(offset + a, offset + b) for a, b in ranges]
+    cost = runs_read_cost if runs else range_read_cost
+    return cost(stored.shape, stored.chunk_shape, stored.shard_shape, itemsize(ref.dtype), moved)

@@ -1,9 +1,10 @@
 """The golden stores read bit-exactly (a) through ucformat and (b) through tensorstore.
 
 tensorstore is an independent zarr v3 implementation (C++): reading every array of every golden
-store through it, with nothing but the store path, checks that the stores are plain zarr v3 as
-docs/format.md §2 promises (sharding codec, crc32c, default key encoding, little-endian,
-bfloat16 as uint16 bit patterns). The digest is recomputed with ``rfc8785``, another independent
+store through it, with nothing but the store path (and, for a format-3.1 stack, the index the
+manifest gives), checks that the stores are plain zarr v3 as docs/format.md §2 promises
+(sharding codec, crc32c, default key encoding with '/' or, for stacks, '.', little-endian,
+bfloat16 as uint16 bit patterns); zarr-python opens the format-3.1 stores as a hierarchy. The digest is recomputed with ``rfc8785``, another independent
 implementation, from the manifest bytes alone (§3.7). Expected values come from the DeepSpeed
 engine's own dump (see make_golden.py), never from the stores.
 """
@@ -24,7 +25,7 @@ import torch
 import ucformat
 from tests.conformance.make_golden import EXPECTED, GOLDEN, GOLDENS, Golden
 from ucformat.format.dtypes import DTYPE_NAMES
-from ucformat.format.spec import FORMAT_VERSION, state_array_path
+from ucformat.format.spec import FORMAT_VERSION, buffer_array_path, state_array_path
 
 STORES = [pytest.param(g, id=g.name) for g in GOLDENS]
 
@@ -63,12 +64,14 @@ def test_golden_through_ucformat(golden: Golden) -> None:
     manifest = ckpt.manifest
     assert manifest.format_version == (golden.version or FORMAT_VERSION)
     seen = set()
+    stacked = golden.version is None  # the current writer: format 3.1's stacks
     for name, entry in manifest.params.items():
         for state, ref in entry.states.items():
-            assert ref.path == state_array_path(name, state)
-            seen.add(ref.path)
-            target = want["arrays"][ref.path]
-            assert ref.dtype == target["dtype"] and ref.shape == target["shape"], ref.path
+            path = state_array_path(name, state)
+            assert (ref.stack is not None) == stacked and (stacked or ref.path == path), path
+            seen.add(path)
+            target = want["arrays"][path]
+            assert ref.dtype == target["dtype"] and ref.shape == target["shape"], path
             if state == "fp32" and not entry.requires_grad:  # format 1's name: read upcast
                 assert golden.legacy, ref.path
                 got = ckpt.read(name, state)
@@ -85,8 +88,10 @@ def test_golden_through_ucformat(golden: Golden) -> None:
             frozen = want["arrays"][state_array_path(name, "fp32" if golden.legacy else "value")]
             assert bits(value.numpy()) == bits(want_tensor(golden, frozen).float().numpy()), name
     for name, buffer in manifest.buffers.items():
-        seen.add(buffer.array.path)
-        target = want["arrays"][buffer.array.path]
+        path = buffer_array_path(name)
+        assert (buffer.array.stack is not None) == stacked, path
+        seen.add(path)
+        target = want["arrays"][path]
         assert bits(torch_bits(ckpt.read(name, "buffer"))) == bits(want_bits(golden, target))
     assert seen == set(want["arrays"]), "the store holds exactly the expected arrays"
     assert manifest.tied == want["tied"]
@@ -99,16 +104,43 @@ def test_golden_through_ucformat(golden: Golden) -> None:
 def test_golden_through_tensorstore(golden: Golden) -> None:
     want = expected(golden)
     root = GOLDEN / golden.name
+    refs = dict(ucformat.open(root).manifest.arrays())
     for path, target in want["arrays"].items():
-        spec = {"driver": "zarr3", "kvstore": {"driver": "file", "path": str(root / path)}}
+        ref = refs[path]
+        spec = {"driver": "zarr3", "kvstore": {"driver": "file", "path": str(root / ref.path)}}
         array = ts.open(spec, open=True, read=True).result()
+        if ref.stack is not None:  # index i of the stack (§2.5)
+            assert list(array.shape) == [ref.stack.size, *target["shape"]], path
+            array = array[ref.stack.index]
         values = np.asarray(array.read().result())
         stored = "uint16" if target["dtype"] == "bfloat16" else target["dtype"]
         assert values.dtype == np.dtype("bool" if stored == "bool" else stored), path
         assert list(values.shape) == target["shape"], path
         assert bits(values) == bits(want_bits(golden, target)), path
-        attributes = json.loads((root / path / "zarr.json").read_text())["attributes"]
+        attributes = json.loads((root / ref.path / "zarr.json").read_text())["attributes"]
         assert attributes == {"ucformat": {"dtype": target["dtype"]}}, path
+
+
+@pytest.mark.parametrize(
+    "golden", [pytest.param(g, id=g.name) for g in GOLDENS if g.version is None]
+)
+def test_zarr_python_opens_stacks_as_a_hierarchy(golden: Golden) -> None:
+    """A format-3.1 store is a zarr v3 hierarchy zarr-python walks from its root: the group
+    ``stacks`` holds every stack, and index ``i`` of a stack is the logical array there."""
+    import zarr
+
+    want = expected(golden)
+    root = zarr.open_group(str(GOLDEN / golden.name), mode="r", zarr_format=3)
+    stacks = root["stacks"]
+    assert isinstance(stacks, zarr.Group)
+    members = dict(stacks.arrays())
+    refs = dict(ucformat.open(GOLDEN / golden.name).manifest.arrays())
+    assert set(members) == {ref.path.removeprefix("stacks/") for ref in refs.values()}
+    for path, target in want["arrays"].items():
+        ref = refs[path]
+        assert ref.stack is not None
+        values = np.asarray(members[ref.path.removeprefix("stacks/")][ref.stack.index])
+        assert bits(values) == bits(want_bits(golden, target)), path
 
 
 @pytest.mark.parametrize("golden", STORES)
@@ -156,22 +188,16 @@ def test_golden_stores_cover_the_format() -> None:
 
 
 def test_tensorstore_reads_names_with_dots_and_unicode(tmp_path: Path) -> None:
-    """§2.4: a name's key is its UTF-8, unescaped; another zarr reader finds it by that key."""
-    from ucformat.format.models import ArrayRef
+    """§2.4: in a store of format 3.0 or older a name's key is its UTF-8, unescaped; another
+    zarr reader finds it by that key."""
+    from ucformat.format.stacks import StoredArray
     from ucformat.store.arrays import create_array, write_region
     from ucformat.store.keys import open_store
 
     store = open_store(tmp_path / "s", read_only=False)
     names = ["layers.0.attn.q_proj.weight", "ü.größe", "层.权重", "emoji😀.w", "a-b_c~d(e)"]
     for index, name in enumerate(names):
-        ref = ArrayRef(
-            path=state_array_path(name, "fp32"),
-            dtype="float32",
-            shape=[3, 2],
-            chunk_shape=[1, 2],
-            shard_shape=[2, 2],
-            nbytes=24,
-        )
+        ref = StoredArray(state_array_path(name, "fp32"), "float32", (3, 2), (1, 2), (2, 2))
         array = create_array(store, ref)
         write_region(array, (slice(0, 3), slice(0, 2)), np.full((3, 2), index, np.float32))
     for index, name in enumerate(names):

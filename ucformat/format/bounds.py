@@ -11,13 +11,18 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 from ucformat.format.spec import (
     MAX_NAME_BYTES,
     buffer_array_path,
     name_problem,
+    stack_number,
     state_array_path,
 )
+
+if TYPE_CHECKING:
+    from ucformat.format.models import ArrayRef
 
 __all__ = [
     "MAX_ARRAY_DIMS",
@@ -27,6 +32,7 @@ __all__ = [
     "entry_name_problems",
     "relative_path_problem",
     "shape_problem",
+    "stack_problem",
 ]
 
 #: The most elements one array may declare (2**47, about 1.4e14: 563 TB of float32).
@@ -91,40 +97,98 @@ def relative_path_problem(text: str) -> str | None:
     return None
 
 
+def _path_problem(path: str, own: str, stacked: bool, what: str) -> str | None:
+    """Why ``path`` may not hold ``what``: a stacked array's path is ``stacks/<n>``, any other
+    one's its ``own`` path (§2.5, §3.8)."""
+    if stacked:
+        if stack_number(path) is None:
+            return f"{what} points to {path!r}, which is no stack path ('stacks/<n>')"
+        return None
+    if path != own:
+        return f"{what} points to {path!r}, not its own array"
+    return None
+
+
 def entry_name_problems(
-    params: Iterable[tuple[str, Iterable[tuple[str, str]], Iterable[str]]],
-    buffers: Iterable[tuple[str, str]],
+    params: Iterable[tuple[str, Iterable[tuple[str, str, bool]], Iterable[str]]],
+    buffers: Iterable[tuple[str, str, bool]],
     tied: Iterable[tuple[str, str]],
 ) -> str | None:
     """The first name or array path of a manifest that §2.4 refuses, said in words, or None.
 
     Args:
-        params: (fqn, [(state, array path)], aliases) of every parameter.
-        buffers: (fqn, array path) of every buffer.
+        params: (fqn, [(state, array path, stacked)], aliases) of every parameter.
+        buffers: (fqn, array path, stacked) of every buffer.
         tied: (alias, owner) pairs.
     """
     for fqn, states, aliases in params:
         problem = name_problem(fqn, "parameter")
         if problem is not None:
             return f"parameter name {fqn!r}: {problem}"
-        for state, path in states:
+        for state, path, stacked in states:
             problem = name_problem(state, "state")
             if problem is not None:
                 return f"state {state!r} of {fqn!r}: {problem}"
-            if path != state_array_path(fqn, state):
-                return f"{fqn!r} state {state!r} points to {path!r}, not its own array"
+            problem = _path_problem(
+                path, state_array_path(fqn, state), stacked, f"{fqn!r} state {state!r}"
+            )
+            if problem is not None:
+                return problem
         for alias in aliases:
             problem = name_problem(alias, "parameter")
             if problem is not None:
                 return f"alias {alias!r} of {fqn!r}: {problem}"
-    for fqn, path in buffers:
+    for fqn, path, stacked in buffers:
         problem = name_problem(fqn, "buffer")
         if problem is not None:
             return f"buffer name {fqn!r}: {problem}"
-        if path != buffer_array_path(fqn):
-            return f"buffer {fqn!r} points to {path!r}, not its own array"
+        problem = _path_problem(path, buffer_array_path(fqn), stacked, f"buffer {fqn!r}")
+        if problem is not None:
+            return problem
     for alias, owner in tied:
         problem = name_problem(alias, "parameter")
         if problem is not None:
             return f"tied alias {alias!r} (of {owner!r}): {problem}"
     return None
+
+
+def stack_problem(arrays: Iterable[tuple[str, ArrayRef]]) -> str | None:
+    """Why the stacks of a manifest's logical arrays (``(name, ref)`` pairs) do not describe
+    well-formed zarr arrays (§2.5), or None: the members of one stack MUST agree on its layout
+    (dtype, shape, chunk and shard shapes, compressor, size, arrays per shard) and take every
+    index of it exactly once."""
+    layouts: dict[str, tuple[object, ...]] = {}
+    sizes: dict[str, int] = {}
+    taken: dict[str, dict[int, str]] = {}
+    for name, ref in arrays:
+        slot = ref.stack
+        if slot is None:
+            continue
+        layout = (ref.dtype, ref.shape, ref.chunk_shape, ref.shard_shape, ref.compressor,
+                  slot.size, slot.per_shard)  # fmt: skip
+        first = layouts.setdefault(ref.path, layout)
+        if first != layout:
+            return (
+                f"{name} in stack {ref.path!r} has layout {_layout_text(layout)}, but the "
+                f"stack's other arrays have {_layout_text(first)}"
+            )
+        sizes[ref.path] = slot.size
+        members = taken.setdefault(ref.path, {})
+        other = members.setdefault(slot.index, name)
+        if other != name:
+            return f"{name} and {other} both claim index {slot.index} of stack {ref.path!r}"
+    for path, members in taken.items():
+        if len(members) != sizes[path]:
+            return (
+                f"stack {path!r} holds {sizes[path]} arrays but the manifest names "
+                f"{len(members)} of them"
+            )
+    return None
+
+
+def _layout_text(layout: tuple[object, ...]) -> str:
+    dtype, shape, chunk, shard, compressor, size, per_shard = layout
+    return (
+        f"{dtype} {shape}, chunks {chunk}, shards {shard}, {compressor}, size {size}, "
+        f"{per_shard} per shard"
+    )

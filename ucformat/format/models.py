@@ -34,12 +34,22 @@ from ucformat.format.bounds import (
     entry_name_problems,
     relative_path_problem,
     shape_problem,
+    stack_problem,
 )
 from ucformat.format.experts import ExpertLayout
 from ucformat.format.megatron import MegatronLayout
 from ucformat.format.names import model_name
 from ucformat.format.pipeline import PipelineLayout
-from ucformat.format.spec import FORMAT_NAME, FORMAT_VERSION, name_problem, state_array_path
+from ucformat.format.spec import (
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    STACKED_VERSION,
+    buffer_array_path,
+    is_stacked_version,
+    name_problem,
+    stack_number,
+    state_array_path,
+)
 from ucformat.format.tensor_parallel import TensorParallelInfo
 
 __all__ = [
@@ -56,6 +66,7 @@ __all__ = [
     "ScalarState",
     "SourceFile",
     "SourceInfo",
+    "StackSlot",
     "TrainingProgress",
 ]
 
@@ -77,10 +88,35 @@ def _refuse(problem: str | None) -> None:
         raise ValueError(problem)
 
 
-class ArrayRef(ManifestModel):
-    """One zarr array of the store: where a state's values live and how they are chunked."""
+class StackSlot(ManifestModel):
+    """Where a logical array lies in its stack (docs/format.md §2.5): index ``index`` of a zarr
+    array of ``size`` logical arrays of the same layout, stacked on a new leading axis whose
+    shards hold ``per_shard`` of them."""
 
-    path: str = Field(description="Array path relative to the store root, e.g. 'params/w/fp32'.")
+    index: int = Field(ge=0, description="Position on the stack's leading axis.")
+    size: int = Field(ge=1, description="Logical arrays in the stack (its leading extent).")
+    per_shard: int = Field(
+        ge=1, description="Logical arrays per shard object (the shard's leading extent)."
+    )
+
+    @model_validator(mode="after")
+    def _check_slot(self) -> StackSlot:
+        if self.index >= self.size:
+            raise ValueError(f"stack index {self.index} is not below the stack size {self.size}")
+        if self.per_shard > self.size:
+            raise ValueError(f"per_shard {self.per_shard} exceeds the stack size {self.size}")
+        return self
+
+
+class ArrayRef(ManifestModel):
+    """A logical array (a parameter's state or a buffer): where its values live and how they are
+    chunked. Without ``stack`` (format 3.0 and older) it is the zarr array at ``path``; with it,
+    index ``stack.index`` of the stack at ``path`` (docs/format.md §2.5)."""
+
+    path: str = Field(
+        description="The zarr array holding the values, relative to the store root: "
+        "'stacks/<n>' (format 3.1), or 'params/<fqn>/<state>' / 'buffers/<fqn>' (older)."
+    )
     dtype: DTypeName = Field(description="Logical dtype of the stored values.")
     shape: list[int] = Field(description="Array shape: the parameter's (or buffer's) real shape.")
     chunk_shape: list[int] = Field(
@@ -91,10 +127,23 @@ class ArrayRef(ManifestModel):
     )
     nbytes: int = Field(ge=0, description="Uncompressed size of the values in bytes.")
     compressor: Literal["none", "zstd"] = "none"
+    stack: StackSlot | None = Field(
+        default=None,
+        exclude_if=lambda value: value is None,  # absent in stores of format 3.0 and older
+        description="Where in the stack at 'path' the values lie (format 3.1); absent: the "
+        "array at 'path' is this one alone.",
+    )
 
     @model_validator(mode="after")
     def _check_shapes(self) -> ArrayRef:
         _refuse(array_shape_problem(self.shape, self.chunk_shape, self.shard_shape))
+        if self.stack is not None and self.stack.per_shard > 1:
+            clipped = [min(s, max(d, 1)) for s, d in zip(self.shard_shape, self.shape, strict=True)]
+            if clipped != [max(d, 1) for d in self.shape]:
+                raise ValueError(
+                    f"a shard holds {self.stack.per_shard} arrays of the stack, but shard shape "
+                    f"{self.shard_shape} does not hold the whole array {self.shape}"
+                )
         return self
 
 
@@ -321,9 +370,12 @@ class SourceInfo(ManifestModel):
         return f"{what}, world size {self.world_size}, {self.train_dtype} ({how})"
 
 
-def _array_paths(entry: ParamEntry) -> list[tuple[str, str]]:
-    """(state, array path) of every array of a parameter, elementwise and whole."""
-    return [(s, ref.path) for s, ref in chain(entry.states.items(), entry.whole_states.items())]
+def _array_paths(entry: ParamEntry) -> list[tuple[str, str, bool]]:
+    """(state, array path, stacked) of every array of a parameter, elementwise and whole."""
+    return [
+        (s, ref.path, ref.stack is not None)
+        for s, ref in chain(entry.states.items(), entry.whole_states.items())
+    ]
 
 
 class CheckpointManifest(ManifestModel):
@@ -373,10 +425,19 @@ class CheckpointManifest(ManifestModel):
         _refuse(
             entry_name_problems(
                 ((fqn, _array_paths(entry), entry.aliases) for fqn, entry in self.params.items()),
-                ((fqn, entry.array.path) for fqn, entry in self.buffers.items()),
+                ((fqn, entry.array.path, entry.array.stack is not None)
+                 for fqn, entry in self.buffers.items()),
                 self.tied.items(),
             )
-        )
+        )  # fmt: skip
+        named = self.arrays()
+        _refuse(stack_problem(named))
+        stacked = next((name for name, ref in named if ref.stack is not None), None)
+        if stacked is not None and not is_stacked_version(self.format_version):
+            raise ValueError(
+                f"{stacked} is stacked, which format {self.format_version} does not allow "
+                f"(stacks are format {STACKED_VERSION})"
+            )
         for alias, owner in self.tied.items():
             if owner not in self.params:
                 raise ValueError(f"tied alias {alias!r} points to unknown param {owner!r}")
@@ -411,8 +472,8 @@ class CheckpointManifest(ManifestModel):
         return self
 
     def _check_partition_states(self, index: int, group: OptimizerGroup) -> None:
-        """A group's partition states live under its first member's folder (§2), each under a
-        key the member holds no array of."""
+        """A group's partition states are named under its first member (§2), each under a key
+        the member holds no array of; stored there (format 3.0) or in a stack (3.1)."""
         if not group.partition_states:
             return
         if not group.params:
@@ -421,16 +482,39 @@ class CheckpointManifest(ManifestModel):
         entry = self.params[first]
         for key, state in group.partition_states.items():
             _refuse(name_problem(key, "state"))
-            if state.array.path != state_array_path(first, key):
+            own = state_array_path(first, key)
+            stacked = state.array.stack is not None
+            if (stack_number(state.array.path) is None) if stacked else state.array.path != own:
                 raise ValueError(
                     f"optimizer group {index} partition state {key!r} points to "
-                    f"{state.array.path!r}, not {state_array_path(first, key)!r}"
+                    f"{state.array.path!r}, not {'a stack' if stacked else repr(own)}"
                 )
             if key in entry.states or key in entry.whole_states:
                 raise ValueError(
                     f"optimizer group {index} partition state {key!r} collides with an array "
                     f"of {first!r}"
                 )
+
+    def arrays(self) -> list[tuple[str, ArrayRef]]:
+        """Every logical array, ``(name, ref)``, in plan order: per parameter its elementwise
+        states then its whole ones (``params/<fqn>/<state>``), then buffers
+        (``buffers/<fqn>``), then optimizer groups' partition states (under the group's first
+        member): the names format 3.0 gave their arrays, which name them in messages whatever
+        their stack."""
+        named = [
+            (state_array_path(fqn, state), ref)
+            for fqn, entry in self.params.items()
+            for state, ref in chain(entry.states.items(), entry.whole_states.items())
+        ]
+        named += [(buffer_array_path(fqn), entry.array) for fqn, entry in self.buffers.items()]
+        groups = self.optimizer.groups if self.optimizer is not None else []
+        named += [
+            (state_array_path(group.params[0], key), state.array)
+            for group in groups
+            if group.params
+            for key, state in group.partition_states.items()
+        ]
+        return named
 
     def resolve(self, name: str) -> str:
         """Return the owner fqn of ``name`` (itself unless it is a tied alias).

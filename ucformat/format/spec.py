@@ -6,39 +6,42 @@ import re
 from typing import Final
 
 __all__ = [
-    "BOX_CHUNKS_VERSION",
     "BUFFERS_PREFIX",
     "BUFFER_STATE",
     "FORMAT_NAME",
-    "FLAT_CHUNKS_VERSION",
     "FORMAT_VERSION",
     "FP32_STATE",
     "MANIFEST_KEY",
     "PARAMS_PREFIX",
     "KNOWN_MINOR",
+    "STACKED_VERSION",
+    "STACKS_PREFIX",
+    "STACK_SEPARATOR",
     "STEP_STATE",
     "VALUE_STATE",
     "MAX_NAME_BYTES",
     "buffer_array_path",
+    "is_stacked_version",
     "name_problem",
+    "shard_object_key",
+    "stack_array_path",
+    "stack_number",
     "state_array_path",
 ]
 
 FORMAT_NAME: Final = "ucformat"
 #: The newest major.minor this implementation writes (docs/format.md §5). Readers accept any
-#: minor of a major they know and refuse a newer major. 3.1 adds optional members
-#: (``manifest.megatron``'s layouts; optimizer states that are not elementwise: §5.4); a store
-#: without them is written as 3.0 or 2.1.
+#: minor of a major they know and refuse a newer major. 3.1 adds stacks (§2.5) and optional
+#: members (``manifest.megatron``'s layouts; optimizer states that are not elementwise: §5.4).
 FORMAT_VERSION = "3.1"
-#: What a writer writes when a store has box chunks but no member 3.1 added (§5.3, §5.4).
-BOX_CHUNKS_VERSION = "3.0"
-#: What a writer writes when every array's chunks are flat-contiguous (§2.2, §5.3): format 3.0
-#: differs from 2.1 only in allowing box chunks, so such a store stays readable by 2.x readers.
-FLAT_CHUNKS_VERSION = "2.1"
+#: The first version whose arrays are stacks (§2.5): several logical arrays of one layout in
+#: one zarr array, under ``stacks/<n>``, chunk keys separated by ``.``. Older versions store
+#: one array per (parameter, state) at its own path, chunk keys separated by ``/``.
+STACKED_VERSION = "3.1"
 #: Per major this implementation reads: the newest minor whose members it knows. A manifest of
 #: a newer minor may hold members it does not know; they are ignored, and digested (§3.7, §5).
 #: Format 1 differs from 2 only in its digest rule and in the state name of frozen parameters;
-#: format 3 from 2 only in its chunk shapes.
+#: format 3 from 2 only in its chunk shapes; 3.1 from 3.0 in its stacks (§5.4).
 KNOWN_MINOR: dict[int, int] = {1: 0, 2: 1, 3: 1}
 #: Key of the manifest in the store root. Written last; its presence marks the store complete.
 MANIFEST_KEY = "ucformat.json"
@@ -53,6 +56,29 @@ BUFFER_STATE = "buffer"
 VALUE_STATE = "value"
 #: Optimizer step counter; kept in the manifest as a scalar, never as an array.
 STEP_STATE = "step"
+#: The group holding every stack of a format-3.1 store (§2.5).
+STACKS_PREFIX = "stacks"
+#: The chunk key separator of stacks (zarr v3 ``default`` encoding): shard ``(i, j)`` of the
+#: stack ``stacks/3`` is the object ``stacks/3/c.i.j``.
+STACK_SEPARATOR = "."
+_STACK_PATH = re.compile(r"stacks/(0|[1-9][0-9]{0,8})\Z")
+
+
+def is_stacked_version(version: str) -> bool:
+    """Whether a store of ``version`` (``MAJOR.MINOR``) keeps its arrays in stacks (§2.5)."""
+    major, _, minor = version.partition(".")
+    return (int(major), int(minor or 0)) >= (3, 1)
+
+
+def stack_array_path(number: int) -> str:
+    """The zarr path of stack ``number`` (``stacks/<n>``)."""
+    return f"{STACKS_PREFIX}/{number}"
+
+
+def stack_number(path: str) -> int | None:
+    """The ``n`` of a stack path ``stacks/<n>`` (decimal, no leading zeros), else None."""
+    match = _STACK_PATH.match(path)
+    return None if match is None else int(match.group(1))
 
 
 def state_array_path(fqn: str, state: str) -> str:
@@ -65,14 +91,15 @@ def buffer_array_path(fqn: str) -> str:
     return f"{BUFFERS_PREFIX}/{fqn}"
 
 
-def shard_object_key(array_path: str, coords: tuple[int, ...]) -> str:
+def shard_object_key(array_path: str, coords: tuple[int, ...], separator: str = "/") -> str:
     """The store key of the object holding shard ``coords`` of the array at ``array_path``.
 
-    Every ucformat array declares zarr v3's ``default`` chunk key encoding with separator ``/``
-    (docs/format.md §2.1), so the key is ``<path>/c/<i>/<j>...`` (``<path>/c`` for a 0-d array);
-    readers compute it without building a zarr array.
+    Every ucformat array declares zarr v3's ``default`` chunk key encoding (docs/format.md
+    §2.1): with separator ``/`` (format 3.0 and older) the key is ``<path>/c/<i>/<j>...``
+    (``<path>/c`` for a 0-d array), with ``.`` (stacks, §2.5) ``<path>/c.<i>.<j>...``; readers
+    compute it without building a zarr array.
     """
-    return "/".join([array_path, "c", *map(str, coords)])
+    return f"{array_path}/" + separator.join(["c", *map(str, coords)])
 
 
 #: A name is one key component; local stores make it a file name, and file systems allow 255.

@@ -8,6 +8,11 @@ any check fails, the range maps to at most ``2 * ndim - 1`` boxes of its array
 inner chunks those boxes touch and names any bad chunk. Either way the same bytes are fetched,
 and every byte is counted in :attr:`UniversalCheckpoint.stats`.
 
+Every read goes to the zarr array that holds the logical array
+(:func:`~ucformat.format.stacks.placement`): in a format-3.1 store a stack, where the logical
+array's flat range ``[a, b)`` is ``[offset + a, offset + b)`` and its chunks are its own; in an
+older store the array itself, at offset 0.
+
 A DTensor's local shard that is not one flat range (a ``Shard(1)`` column block: one run per
 row) is read by :meth:`UniversalCheckpoint.read_runs`. With flat-contiguous chunks the runs'
 chunk-widened spans that overlap or touch are merged
@@ -20,7 +25,6 @@ box-chunked arrays are read as the disjoint chunk-aligned boxes holding those ch
 
 from __future__ import annotations
 
-import functools
 import math
 import threading
 from collections.abc import Sequence
@@ -32,7 +36,8 @@ import torch
 from ucformat.errors import OutOfRangeError, ParamNotFoundError
 from ucformat.format.dtypes import numpy_storage_dtype, storage_to_torch, torch_dtype
 from ucformat.format.models import ArrayRef, CheckpointManifest, ScalarState
-from ucformat.format.spec import BUFFER_STATE, FP32_STATE, VALUE_STATE, shard_object_key
+from ucformat.format.spec import BUFFER_STATE, FP32_STATE, VALUE_STATE
+from ucformat.format.stacks import StoredArray, describe_ref, placement
 from ucformat.layout.boxes import Run
 from ucformat.layout.chunking import chunk_aligned_range, is_flat_chunking
 from ucformat.layout.placements import merge_runs
@@ -91,6 +96,7 @@ class UniversalCheckpoint:
         self.stats: IOStats = store.stats
         self._arrays: dict[str, Array] = {}
         self._lock = threading.Lock()
+        self._names: dict[tuple[str, int], str] | None = None
 
     def __repr__(self) -> str:
         source = self.manifest.source
@@ -128,17 +134,33 @@ class UniversalCheckpoint:
             )
         return ref
 
-    def _array(self, ref: ArrayRef) -> Array:
-        """The zarr array of ``ref``, built from the manifest: no ``zarr.json`` is fetched.
+    def describe(self, ref: ArrayRef) -> str:
+        """How messages name the logical array ``ref``: its path in a store of format 3.0 or
+        older; in a stack its name and place (``params/w/exp_avg (stacks/3[4])``)."""
+        if ref.stack is None:
+            return ref.path
+        with self._lock:
+            if self._names is None:
+                self._names = {
+                    (item.path, item.stack.index): name
+                    for name, item in self.manifest.arrays()
+                    if item.stack is not None
+                }
+            name = self._names.get((ref.path, ref.stack.index))
+        place = describe_ref(ref)
+        return place if name is None else f"{name} ({place})"
+
+    def _array(self, stored: StoredArray) -> Array:
+        """The zarr array ``stored``, built from the manifest: no ``zarr.json`` is fetched.
 
         The manifest is digest-checked and fully describes each array (docs/format.md §3.1),
         so readers need one request for all metadata; ``ucformat verify`` checks that every
         ``zarr.json`` agrees with it.
         """
         with self._lock:
-            array = self._arrays.get(ref.path)
+            array = self._arrays.get(stored.path)
             if array is None:
-                array = self._arrays[ref.path] = array_from_manifest(self.store, ref)
+                array = self._arrays[stored.path] = array_from_manifest(self.store, stored)
             return array
 
     # --- reads --------------------------------------------------------------------------------
@@ -244,23 +266,40 @@ class UniversalCheckpoint:
         """
         if start >= stop:
             return True
-        key = functools.partial(shard_object_key, ref.path)
-        result = check_runs(self.store, ref, key, [(start, stop)])
+        stored, offset = placement(ref)
+        result = check_runs(self.store, stored, stored.shard_key, [(offset + start, offset + stop)])
         if result.corrupt:
-            raise result.error(ref.path)
+            raise result.error(self.describe(ref))
         return result.ok
 
     def read_range_into(self, ref: ArrayRef, start: int, stop: int, out: np.ndarray) -> None:
         """Fill ``out`` (storage dtype, length ``stop - start``) with flat elements of ``ref``."""
         if start >= stop:
             return
-        if ref.shape and not is_flat_chunking(ref.shape, ref.chunk_shape):
-            self.read_runs_into(ref, [(start, stop, 0)], out.reshape(-1))
+        stored, offset = placement(ref)
+        self._read_range(stored, offset + start, offset + stop, out, self.describe(ref))
+
+    def read_runs_into(self, ref: ArrayRef, runs: Sequence[FlatRun], out: np.ndarray) -> None:
+        """Fill ``out`` (1-D, storage dtype) with flat runs ``(start, stop, at)`` of ``ref``:
+        elements ``[start, stop)`` go to ``out[at:]``. All runs are one read: every chunk
+        holding them is fetched once."""
+        stored, offset = placement(ref)
+        moved = [(offset + start, offset + stop, at) for start, stop, at in runs]
+        self._read_runs(stored, moved, out, self.describe(ref))
+
+    def _read_range(
+        self, ref: StoredArray, start: int, stop: int, out: np.ndarray, what: str
+    ) -> None:
+        """Fill ``out`` with flat elements ``[start, stop)`` of the stored array ``ref``
+        (``what`` names the logical array in messages)."""
+        if start >= stop:
             return
-        key = functools.partial(shard_object_key, ref.path)
+        if ref.shape and not is_flat_chunking(ref.shape, ref.chunk_shape):
+            self._read_runs(ref, [(start, stop, 0)], out.reshape(-1), what)
+            return
         direct = NOT_APPLICABLE
         if out.ndim == 1 and out.flags.c_contiguous:
-            direct = read_runs(self.store, ref, key, [(start, stop, 0)], out)
+            direct = read_runs(self.store, ref, ref.shard_key, [(start, stop, 0)], out)
         if direct.ok:
             return  # uncompressed shards, every checksum good
         # zarr reads the range; where the direct read found damage, zarr's decoder names the
@@ -269,38 +308,38 @@ class UniversalCheckpoint:
         low, high = chunk_aligned_range(ref.shape, ref.chunk_shape, start, stop)
         boxes = flat_range_to_boxes(ref.shape, low, high)
         if len(boxes) == 1:
-            values = read_box(array, boxes[0]).reshape(-1)
+            values = read_box(array, boxes[0], what).reshape(-1)
         else:
-            values = np.concatenate([read_box(array, box).reshape(-1) for box in boxes])
+            values = np.concatenate([read_box(array, box, what).reshape(-1) for box in boxes])
         if direct.corrupt:
-            raise direct.error(ref.path)
+            raise direct.error(what)
         out[:] = values[start - low : stop - low]
 
-    def read_runs_into(self, ref: ArrayRef, runs: Sequence[FlatRun], out: np.ndarray) -> None:
-        """Fill ``out`` (1-D, storage dtype) with flat runs ``(start, stop, at)`` of ``ref``:
-        elements ``[start, stop)`` go to ``out[at:]``. All runs are one read: every chunk
-        holding them is fetched once."""
+    def _read_runs(
+        self, ref: StoredArray, runs: Sequence[FlatRun], out: np.ndarray, what: str
+    ) -> None:
+        """Fill ``out`` with the flat ``runs`` of the stored array ``ref``, as
+        :meth:`read_runs_into` does for a logical array."""
         runs = [run for run in runs if run[0] < run[1]]
         if not runs:
             return
-        key = functools.partial(shard_object_key, ref.path)
         direct = NOT_APPLICABLE
         if out.ndim == 1 and out.flags.c_contiguous:
-            direct = read_runs(self.store, ref, key, runs, out)
+            direct = read_runs(self.store, ref, ref.shard_key, runs, out)
         if direct.ok:
             return
         if ref.shape and is_flat_chunking(ref.shape, ref.chunk_shape):
             for start, stop, at in runs:
-                self.read_range_into(ref, start, stop, out[at : at + stop - start])
+                self._read_range(ref, start, stop, out[at : at + stop - start], what)
             return
         # through zarr: the disjoint chunk-aligned boxes that hold the runs, each read once
         array = self._array(ref)
         covers = [
-            (box, read_box(array, box))
+            (box, read_box(array, box, what))
             for box in chunk_cover(ref.shape, ref.chunk_shape, [(a, b) for a, b, _ in runs])
         ]
         if direct.corrupt:
-            raise direct.error(ref.path)
+            raise direct.error(what)
         for start, stop, at in runs:
             for box in flat_range_to_boxes(ref.shape, start, stop):
                 sizes = [p.stop - p.start for p in box]

@@ -23,6 +23,7 @@ import torch
 from ucformat.format.dtypes import itemsize, numpy_storage_dtype, storage_to_torch, torch_dtype
 from ucformat.format.models import ArrayRef
 from ucformat.format.spec import FP32_STATE
+from ucformat.format.stacks import StoredArray, describe_ref, placement
 from ucformat.layout.chunking import is_flat_chunking
 from ucformat.layout.partition import Fragment, PartitionedFlatLayout, PerParamLayout
 from ucformat.layout.reads import ReadCost, range_read_cost
@@ -68,21 +69,25 @@ class ReadTally:
     """Bytes this rank needed (exact ranges), for the over-read report, and the ranges read."""
 
     bytes_needed: int = 0
+    #: The logical arrays read from (by their name in messages: ``stacks/3[4]``).
     arrays: set[str] = field(default_factory=set)
-    #: Per array path: the array and the flat ranges read from it.
-    ranges: dict[str, tuple[ArrayRef, list[tuple[int, int]]]] = field(default_factory=dict)
+    #: Per stored array path: the stored array and the flat ranges read from it (a stack's
+    #: members' ranges at their offsets: its shard indexes are fetched once for all of them).
+    ranges: dict[str, tuple[StoredArray, list[tuple[int, int]]]] = field(default_factory=dict)
 
     def note(self, ref: ArrayRef, start: int, stop: int) -> None:
         """Record that ``[start, stop)`` of ``ref`` is read."""
-        self.arrays.add(ref.path)
+        self.arrays.add(describe_ref(ref))
         if start < stop:
-            self.ranges.setdefault(ref.path, (ref, []))[1].append((start, stop))
+            stored, offset = placement(ref)
+            entry = self.ranges.setdefault(stored.path, (stored, []))
+            entry[1].append((offset + start, offset + stop))
 
     def planned(self) -> ReadCost:
         """What the read-cost model (:mod:`ucformat.layout.reads`) says these ranges cost:
-        bytes and requests, shard indexes fetched once per array (exact when each array is
-        read in one range, as a rank's loads read it; box-chunked arrays: in one read of all
-        its ranges)."""
+        bytes and requests, shard indexes fetched once per stored array (exact when each
+        array is read in one range, as a rank's loads read it; box-chunked arrays: in one read
+        of all its ranges)."""
         total = ReadCost(0, 0, 0, 0)
         for ref, ranges in self.ranges.values():
             item = itemsize(ref.dtype)

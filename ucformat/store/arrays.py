@@ -1,6 +1,8 @@
-"""zarr arrays: the codec chain, array creation, region and shard writes, box reads.
+r"""zarr arrays: the codec chain, array creation, region and shard writes, box reads.
 
-Every array uses the same codec chain, declared once in :func:`codec_chain`: the
+Arrays are :class:`~ucformat.format.stacks.StoredArray`\ s: a store's zarr arrays as stored (a
+format-3.1 stack of logical arrays, or an older store's array of one), with their chunk key
+separator. Every array uses the same codec chain, declared once in :func:`codec_chain`: the
 ``sharding_indexed`` codec, whose inner chunks are little-endian ``bytes`` (optionally ``zstd``)
 followed by a ``crc32c`` checksum, and whose shard index is ``bytes`` + ``crc32c`` at the end of
 each shard. ``write_empty_chunks`` is on, so every shard of a complete store exists and a missing
@@ -20,7 +22,7 @@ import json
 import warnings
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, TypeAlias
 
 import numpy as np
@@ -32,7 +34,7 @@ from zarr.storage import MemoryStore, StorePath
 
 from ucformat.errors import ChunkMissingError, CorruptDataError
 from ucformat.format.dtypes import numpy_storage_dtype
-from ucformat.format.models import ArrayRef
+from ucformat.format.stacks import StoredArray
 from ucformat.layout.grid import chunk_box, chunk_flat_range, chunks_in_box
 from ucformat.store.direct.objects import local_object, local_object_root
 from ucformat.store.keys import read_key, run, store_writes
@@ -76,7 +78,7 @@ def codec_chain(compressor: str) -> list[Any]:
     return [*codecs, Crc32cCodec()]
 
 
-def create_array(store: Store, ref: ArrayRef) -> zarr.Array[Any]:
+def create_array(store: Store, ref: StoredArray) -> zarr.Array[Any]:
     """Create the (empty) zarr array described by ``ref``; write no chunks."""
     storage_dtype = numpy_storage_dtype(ref.dtype)
     common: dict[str, Any] = {
@@ -89,6 +91,7 @@ def create_array(store: Store, ref: ArrayRef) -> zarr.Array[Any]:
         "serializer": BytesCodec(endian="little") if storage_dtype.itemsize > 1 else BytesCodec(),
         "attributes": {"ucformat": {"dtype": ref.dtype}},
         "config": {"write_empty_chunks": True},
+        "chunk_key_encoding": {"name": "default", "separator": ref.separator},
         "zarr_format": 3,
         "overwrite": True,
     }
@@ -100,14 +103,14 @@ def create_array(store: Store, ref: ArrayRef) -> zarr.Array[Any]:
     return zarr.create_array(store, **common)
 
 
-def create_arrays(store: Store, refs: Sequence[ArrayRef]) -> list[zarr.Array[Any]]:
+def create_arrays(store: Store, refs: Sequence[StoredArray]) -> list[zarr.Array[Any]]:
     """Create every array of ``refs`` at once (:func:`metadata_documents`, written by
     :func:`write_objects`); write no chunks."""
     write_objects(store, metadata_documents(refs))
     return [array_from_manifest(store, ref) for ref in refs]
 
 
-def metadata_documents(refs: Sequence[ArrayRef]) -> dict[str, bytes]:
+def metadata_documents(refs: Sequence[StoredArray]) -> dict[str, bytes]:
     """Key -> bytes of the metadata objects of the arrays ``refs``: the same objects as
     :func:`create_array` writes for each (the array's ``zarr.json`` and those of its missing
     parent groups)."""
@@ -117,10 +120,7 @@ def metadata_documents(refs: Sequence[ArrayRef]) -> dict[str, bytes]:
         for depth in range(1, len(parts)):
             documents.setdefault("/".join(parts[:depth]) + "/zarr.json", _group_document())
     for ref in refs:
-        documents[f"{ref.path}/zarr.json"] = _expected_document(
-            ref.dtype, tuple(ref.shape), tuple(ref.chunk_shape), tuple(ref.shard_shape),
-            ref.compressor,
-        ).encode()  # fmt: skip
+        documents[f"{ref.path}/zarr.json"] = _expected_document(ref).encode()
     return documents
 
 
@@ -192,14 +192,11 @@ def open_array(store: Store, path: str) -> zarr.Array[Any]:
 
 
 @functools.lru_cache(maxsize=256)
-def _expected_document(
-    dtype: str, shape: tuple[int, ...], chunk: tuple[int, ...], shard: tuple[int, ...], comp: str
-) -> str:
+def _expected_document(ref: StoredArray) -> str:
+    """The ``zarr.json`` of ``ref``'s layout (the path plays no part in it)."""
+    if ref.path != "a":
+        return _expected_document(replace(ref, path="a"))
     store = MemoryStore()
-    ref = ArrayRef(
-        path="a", dtype=dtype, shape=list(shape), chunk_shape=list(chunk),  # type: ignore[arg-type]
-        shard_shape=list(shard), nbytes=0, compressor=comp,  # type: ignore[arg-type]
-    )  # fmt: skip
     create_array(store, ref)
     document = read_key(store, "a/zarr.json")
     if document is None:
@@ -207,31 +204,24 @@ def _expected_document(
     return document.decode()
 
 
-def expected_metadata(ref: ArrayRef) -> dict[str, Any]:
+def expected_metadata(ref: StoredArray) -> dict[str, Any]:
     """The ``zarr.json`` document :func:`create_array` writes for ``ref``, parsed."""
-    text = _expected_document(
-        ref.dtype, tuple(ref.shape), tuple(ref.chunk_shape), tuple(ref.shard_shape), ref.compressor
-    )
-    document: dict[str, Any] = json.loads(text)
+    document: dict[str, Any] = json.loads(_expected_document(ref))
     return document
 
 
-def array_from_manifest(store: Store, ref: ArrayRef) -> zarr.Array[Any]:
+def array_from_manifest(store: Store, ref: StoredArray) -> zarr.Array[Any]:
     """The array described by ``ref``, opened without reading its ``zarr.json``."""
-    metadata = _metadata(
-        ref.dtype, tuple(ref.shape), tuple(ref.chunk_shape), tuple(ref.shard_shape), ref.compressor
-    )
+    metadata = _metadata(replace(ref, path="a"))
     return zarr.Array(zarr.AsyncArray(metadata=metadata, store_path=StorePath(store, ref.path)))
 
 
 @functools.lru_cache(maxsize=256)
-def _metadata(
-    dtype: str, shape: tuple[int, ...], chunk: tuple[int, ...], shard: tuple[int, ...], comp: str
-) -> Any:
+def _metadata(ref: StoredArray) -> Any:
     """Parsed array metadata, shared by the arrays of one layout (it is immutable): parsing it
     costs milliseconds, and a model repeats a few layouts over hundreds of arrays. Taken from
     an array built once in memory (public ``Array.metadata``), not from zarr's private parser."""
-    document = json.loads(_expected_document(dtype, shape, chunk, shard, comp))
+    document = json.loads(_expected_document(ref))
     return zarr.Array.from_dict(StorePath(MemoryStore(), "a"), document).metadata
 
 
@@ -254,14 +244,16 @@ def write_shard(array: zarr.Array[Any], shard: tuple[int, ...], data: np.ndarray
         run(array.store_path.store.set(key, buffer))
 
 
-def read_box(array: zarr.Array[Any], box: tuple[slice, ...]) -> np.ndarray:
-    """Read ``array[box]``, every chunk checksum verified.
+def read_box(array: zarr.Array[Any], box: tuple[slice, ...], what: str = "") -> np.ndarray:
+    """Read ``array[box]``, every chunk checksum verified; ``what`` names the array in messages
+    (default: its path).
 
     Raises:
         ChunkMissingError: an object of the box is missing.
         CorruptDataError: a chunk fails its checksum or cannot be decoded; the message names
             the array, the first bad chunk's grid coordinates and its flat element range.
     """
+    what = what or array.path
     try:
         with _damage_quiet():
             return np.asarray(array[box])
@@ -272,11 +264,11 @@ def read_box(array: zarr.Array[Any], box: tuple[slice, ...]) -> np.ndarray:
         if first is None:  # no single chunk fails alone: describe the read
             where = "the scalar chunk" if not box else f"elements {_describe_box(box)}"
             raise CorruptDataError(
-                f"{array.path}: cannot decode {where} ({_reason(exc)}); the store is corrupt "
+                f"{what}: cannot decode {where} ({_reason(exc)}); the store is corrupt "
                 "(run 'ucformat verify')."
             ) from None
         raise CorruptDataError(
-            f"{array.path}: {first.describe()} {first.reason}; the store is corrupt, no values "
+            f"{what}: {first.describe()} {first.reason}; the store is corrupt, no values "
             "were returned (run 'ucformat verify' for a full report)."
         ) from None
 

@@ -96,8 +96,10 @@ class CheckedStore(WrapperStore[Store]):
         if result is not None and cache_key is not None:
             self._cache.put(cache_key, result)
         if result is None:
-            name = key.rpartition("/")[2]  # a param named "c" has metadata under ".../c/..."
-            if name != "zarr.json" and ("/c/" in key or name == "c"):
+            # a chunk key (docs/format.md §2.1): ".../c/<i>/..." or ".../c" (format 3.0 and
+            # older; a param named "c" has metadata under ".../c/..."), ".../c.<i>..." (stacks)
+            name = key.rpartition("/")[2]
+            if name != "zarr.json" and ("/c/" in key or name == "c" or name.startswith("c.")):
                 raise ChunkMissingError(
                     f"{key}: this chunk object is missing from the store; the store is damaged "
                     "(re-run the convert, or restore the object)."

@@ -16,7 +16,8 @@ import numpy as np
 
 from ucformat.format.dtypes import itemsize
 from ucformat.format.models import ArrayRef, CheckpointManifest
-from ucformat.format.spec import buffer_array_path, state_array_path
+from ucformat.format.spec import buffer_array_path, stack_number, state_array_path
+from ucformat.format.stacks import describe_ref
 from ucformat.layout.grid import is_flat_block
 
 __all__ = [
@@ -101,13 +102,18 @@ def manifest_arrays(manifest: CheckpointManifest) -> list[ManifestArray]:
 
 
 def ref_problems(array: ManifestArray, seen: set[str]) -> list[str]:
-    """What is inconsistent about one :class:`ArrayRef` (``seen``: paths met so far, updated)."""
+    """What is inconsistent about one :class:`ArrayRef` (``seen``: the arrays met so far, by
+    path or, stacked, ``path[index]``; updated)."""
     ref, problems = array.ref, []
-    if ref.path != array.expected_path:
+    if ref.stack is not None:
+        if stack_number(ref.path) is None:
+            problems.append(f"{array.what} points to '{ref.path}', which is no stack path")
+    elif ref.path != array.expected_path:
         problems.append(f"{array.what} points to '{ref.path}', expected '{array.expected_path}'")
-    if ref.path in seen:
-        problems.append(f"{array.what}: path '{ref.path}' is used by two arrays")
-    seen.add(ref.path)
+    where = describe_ref(ref)
+    if where in seen:
+        problems.append(f"{array.what}: '{where}' is used by two arrays")
+    seen.add(where)
     if tuple(ref.shape) != array.shape:
         problems.append(f"{array.what}: array shape {ref.shape} differs from {list(array.shape)}")
     numel = prod(ref.shape)

@@ -5,9 +5,10 @@ Checks, in this order (docs/format.md, "Integrity"):
 1. the manifest: JSON, schema and version gate, then its digest (a mismatch is reported, and
    the arrays are still checked against what it says); every array reference is consistent
    (path, shape, ``nbytes``, flat-contiguous chunk and shard shapes);
-2. the root group's ``zarr.json`` and every array's ``zarr.json``, field by field, against the
-   document the manifest implies (readers build arrays from the manifest, so the data is checked
-   even when a ``zarr.json`` is damaged);
+2. the root group's ``zarr.json`` and every stored array's ``zarr.json`` (a stack holding
+   several logical arrays is one zarr array: docs/format.md §2.5), field by field, against the
+   document the manifest implies (readers build arrays from the manifest, so the data is
+   checked even when a ``zarr.json`` is damaged);
 3. every shard object exists, and every chunk decodes with its crc32c verified. A shard is read
    whole (bounded memory: one shard at a time); when it fails, its chunks are read one by one so
    that each bad chunk is named by grid coordinates and flat element range;
@@ -25,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import math
 from collections.abc import Iterable
 from contextlib import ExitStack
 from dataclasses import dataclass, field
@@ -40,8 +42,9 @@ from ucformat.errors import (
     UnsupportedVersionError,
 )
 from ucformat.format.dtypes import numpy_storage_dtype
-from ucformat.format.models import ArrayRef, CheckpointManifest
+from ucformat.format.models import CheckpointManifest
 from ucformat.format.spec import FORMAT_NAME, MANIFEST_KEY
+from ucformat.format.stacks import StoredArray, stored_array
 from ucformat.format.summary import format_bytes
 from ucformat.layout.chunking import is_flat_chunking
 from ucformat.layout.grid import chunk_box, chunk_flat_range, chunks_in_box, shard_grid
@@ -89,10 +92,12 @@ class Problem:
         kind: ``manifest``, ``metadata`` (a ``zarr.json``), ``missing`` (an object is absent),
             ``checksum`` (a chunk fails its crc32c or cannot be decoded), ``mismatch`` (values
             differ from the source) or ``source`` (a manifest field differs from the source).
-        path: the array path, or the store key (``ucformat.json``, ``zarr.json``).
+        path: the stored array's path (a stack: the message names the logical arrays it
+            concerns), or the store key (``ucformat.json``, ``zarr.json``).
         message: what is wrong, one line.
-        chunk: grid coordinates of the chunk (or shard, for a missing object) concerned.
-        elements: the flat element range ``[start, stop)`` concerned.
+        chunk: grid coordinates of the chunk (or shard, for a missing object) concerned, in
+            the stored array.
+        elements: the flat element range ``[start, stop)`` concerned, in the stored array.
     """
 
     kind: str
@@ -231,12 +236,24 @@ def verify(
                     f"... and {len(differences) - MAX_DIFFERENCES} more field differences "
                     "(see --json for all of them)",
                 )
-        for array in arrays:
-            _check_array(checked, array.ref, keys, source, report, lenient)
+        for stored, names in _stored_arrays(arrays):
+            _check_array(checked, stored, names, keys, source, report, lenient)
         if source is not None:
             source.check_integrity()
     report.bytes_read = checked.stats.bytes_read
     return report
+
+
+def _stored_arrays(arrays: list[ManifestArray]) -> list[tuple[StoredArray, list[str]]]:
+    """The stored arrays holding ``arrays``, each once, with the names of the logical arrays
+    at each of its leading indices (a stack) or of the one it holds."""
+    found: dict[str, tuple[StoredArray, list[str]]] = {}
+    for array in arrays:
+        stored = stored_array(array.ref)
+        slot = array.ref.stack
+        entry = found.setdefault(stored.path, (stored, [""] * (1 if slot is None else slot.size)))
+        entry[1][0 if slot is None else slot.index] = array.expected_path
+    return list(found.values())
 
 
 def _foreign_source(
@@ -267,7 +284,8 @@ def _check_manifest(
         report.add("manifest", MANIFEST_KEY, "digest mismatch: edited after it was written")
     arrays, seen = [], set[str]()
     flat_only = int(manifest.format_version.partition(".")[0]) < 3
-    for array in manifest_arrays(manifest):
+    listed = manifest_arrays(manifest)
+    for array in listed:
         problems = ref_problems(array, seen)
         for message in problems:
             report.add("manifest", MANIFEST_KEY, message)
@@ -284,7 +302,8 @@ def _check_manifest(
             report.add("manifest", array.ref.path, "its chunks were not checked")
         else:
             arrays.append(array)
-    return arrays
+    unsound = {array.ref.path for array in listed} - {array.ref.path for array in arrays}
+    return [array for array in arrays if array.ref.path not in unsound]  # whole stacks only
 
 
 def _check_root(
@@ -322,13 +341,15 @@ def _load_json(store: Store, key: str, path: str, report: VerifyReport) -> Any:
 
 def _check_array(
     store: Store,
-    ref: ArrayRef,
+    ref: StoredArray,
+    names: list[str],
     keys: set[str],
     source: SourceShards | None,
     report: VerifyReport,
     lenient: bool,
 ) -> None:
-    """Check one array's ``zarr.json``, then every shard (data is read as readers do)."""
+    """Check one stored array's ``zarr.json``, then every shard (data is read as readers do);
+    ``names``: the logical arrays at its leading indices (a stack), or the one it is."""
     document = _load_json(store, f"{ref.path}/{ROOT_KEY}", ref.path, report)
     if document is not None:
         found = list(document_differences(document, expected_metadata(ref), unknown_ok=lenient))
@@ -336,20 +357,47 @@ def _check_array(
             report.add("metadata", ref.path, difference.describe("zarr.json", "the manifest"))
     # readers build the array from the digest-checked manifest, not from its zarr.json
     array = array_from_manifest(store, ref)
-    planned = source.refs.get(ref.path) if source is not None else None
-    compare = source if planned is not None and _same_layout(planned, ref) else None
-    report.arrays += 1
+    planned = source.arrays.get(ref.path) if source is not None else None
+    compare = source if planned is not None and planned == ref else None
+    report.arrays += len(names)
+    holds = _Holds(ref, names)
     for coords in shard_grid(ref.shape, ref.shard_shape):
-        _check_shard(array, ref, coords, keys, compare, report)
+        _check_shard(array, ref, coords, keys, compare, report, holds)
+
+
+@dataclass(frozen=True)
+class _Holds:
+    """Which logical arrays a part of a stored array holds, for messages (nothing for an array
+    that is one logical array: its path names it)."""
+
+    ref: StoredArray
+    names: list[str]
+
+    def of_chunk(self, coords: tuple[int, ...]) -> str:
+        """`` of <name>`` for the chunk at ``coords`` of a stack, else ``""``."""
+        if self.ref.separator == "/" or not coords:
+            return ""
+        return f" of {self.names[coords[0]]}"
+
+    def of_elements(self, start: int, stop: int) -> str:
+        """`` (<names>)``: the logical arrays of a stack holding flat ``[start, stop)``."""
+        if self.ref.separator == "/" or start >= stop:
+            return ""
+        inner = math.prod(self.ref.shape[1:])
+        first, last = start // max(inner, 1), (stop - 1) // max(inner, 1)
+        held = self.names[first : last + 1]
+        text = ", ".join(held[:3]) + (f" and {len(held) - 3} more" if len(held) > 3 else "")
+        return f" ({text})"
 
 
 def _check_shard(
     array: Array,
-    ref: ArrayRef,
+    ref: StoredArray,
     coords: tuple[int, ...],
     keys: set[str],
     source: SourceShards | None,
     report: VerifyReport,
+    holds: _Holds,
 ) -> None:
     """The shard exists, each chunk decodes (crc32c), and its values equal the source's."""
     region = chunk_box(ref.shape, ref.shard_shape, coords)
@@ -360,7 +408,7 @@ def _check_shard(
         report.add(
             "missing", ref.path,
             f"shard object '{shard_key}' is missing: {_chunk_span(chunks)}, elements "
-            f"[{start}, {stop}) are lost",
+            f"[{start}, {stop}){holds.of_elements(start, stop)} are lost",
             chunk=coords, elements=(start, stop),
         )  # fmt: skip
         return
@@ -370,13 +418,15 @@ def _check_shard(
         bad = _bad_chunks(array, region)
         for chunk in bad:
             report.add(
-                "checksum", ref.path, f"{chunk.describe()} {chunk.reason}",
+                "checksum", ref.path,
+                f"{chunk.describe()}{holds.of_chunk(chunk.coords)} {chunk.reason}",
                 chunk=chunk.coords, elements=(chunk.start, chunk.stop),
             )  # fmt: skip
         if not bad:  # the shard fails as a whole, yet no chunk alone does
             report.add(
                 "checksum", ref.path,
-                f"shard object '{shard_key}' (elements [{start}, {stop})) fails: {exc}",
+                f"shard object '{shard_key}' (elements [{start}, {stop})"
+                f"{holds.of_elements(start, stop)}) fails: {exc}",
                 chunk=coords, elements=(start, stop),
             )  # fmt: skip
         return
@@ -384,11 +434,11 @@ def _check_shard(
     report.chunks += len(chunks)
     report.nbytes += values.nbytes
     if source is not None:
-        _compare_shard(ref, values, source.expected(ref.path, start), start, report)
+        _compare_shard(ref, values, source.expected(ref.path, start), start, report, holds)
 
 
 def _read_shard(
-    array: Array, ref: ArrayRef, region: tuple[slice, ...], start: int, stop: int
+    array: Array, ref: StoredArray, region: tuple[slice, ...], start: int, stop: int
 ) -> np.ndarray:
     """The shard's values, flat, every chunk checked: by the readers' fast path when it can,
     else (or when anything does not check out) through zarr, which names the failing chunk."""
@@ -412,7 +462,12 @@ def _bad_chunks(array: Array, region: tuple[slice, ...]) -> list[BadChunk]:
 
 
 def _compare_shard(
-    ref: ArrayRef, values: np.ndarray, expected: np.ndarray | None, start: int, report: VerifyReport
+    ref: StoredArray,
+    values: np.ndarray,
+    expected: np.ndarray | None,
+    start: int,
+    report: VerifyReport,
+    holds: _Holds,
 ) -> None:
     if expected is None:
         report.add("mismatch", ref.path, f"the source has no values for elements from {start}")
@@ -423,20 +478,12 @@ def _compare_shard(
         first, last = start + int(differing[0]), start + int(differing[-1]) + 1
         report.add(
             "mismatch", ref.path,
-            f"{differing.size} of {expected.size} values in elements [{first}, {last}) differ "
+            f"{differing.size} of {expected.size} values in elements [{first}, {last})"
+            f"{holds.of_elements(first, last)} differ "
             f"from the source (first: element {first} is {values[differing[0]].item()!r} in the "
             f"store, {expected[differing[0]].item()!r} in the source)",
             elements=(first, last),
         )  # fmt: skip
-
-
-def _same_layout(a: ArrayRef, b: ArrayRef) -> bool:
-    return (a.dtype, a.shape, a.chunk_shape, a.shard_shape) == (
-        b.dtype,
-        b.shape,
-        b.chunk_shape,
-        b.shard_shape,
-    )
 
 
 def _chunk_span(chunks: list[tuple[int, ...]]) -> str:

@@ -1,10 +1,11 @@
 """``verify --against SRC``: the source checkpoint re-planned in the layout of the store.
 
 The source is read with the converter's own reader (:func:`read_source`: DeepSpeed or DCP) and
-planned with :func:`plan_convert`, but with every array's chunk and shard shapes taken from the
-store's manifest. The plan's manifest is then what the store's manifest must say, and each of its
-:class:`~ucformat.write.plan.WriteUnit` is exactly one shard of the store: the source fragments that
-must fill it. Filling a unit reads each source byte it needs once; units are disjoint.
+planned with :func:`plan_convert`, but with every array's chunk and shard shapes, and its place
+in its stack, taken from the store's manifest. The plan's manifest is then what the store's
+manifest must say, and each of its :class:`~ucformat.write.plan.WriteUnit` is exactly one shard
+of the store: the source fragments that must fill it. Filling a unit reads each source byte it
+needs once; units are disjoint.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from pathlib import Path
 import numpy as np
 
 from ucformat.errors import LayoutMismatchError
-from ucformat.format.models import ArrayRef, CheckpointManifest
+from ucformat.format.models import CheckpointManifest
+from ucformat.format.stacks import StoredArray
 from ucformat.layout.chunking import Chunking
 from ucformat.sources.base import SourceCheckpoint
 from ucformat.sources.detect import read_source
@@ -31,10 +33,11 @@ __all__ = ["SourceShards", "replan_source"]
 
 @dataclass(frozen=True)
 class SourceShards:
-    """The re-planned source: its plan, its arrays by path, and their units by first element."""
+    """The re-planned source: its plan, its stored arrays by path, and their units by first
+    element."""
 
     plan: ConvertPlan
-    refs: dict[str, ArrayRef]
+    arrays: dict[str, StoredArray]
     units: dict[str, dict[int, WriteUnit]]
     source: SourceCheckpoint
 
@@ -70,18 +73,19 @@ def replan_source(
     Raises:
         UCFormatError: the source cannot be read (missing, damaged, hostile, not DeepSpeed).
     """
-    refs = [array.ref for array in arrays]
+    named = {array.expected_path: array.ref for array in arrays}
     layouts = {
-        ref.path: Chunking(tuple(ref.chunk_shape), tuple(ref.shard_shape))
-        for ref in refs
+        name: Chunking(tuple(ref.chunk_shape), tuple(ref.shard_shape))
+        for name, ref in named.items()
         if len(ref.chunk_shape) == len(ref.shard_shape)
         and all(size >= 1 for size in (*ref.chunk_shape, *ref.shard_shape))
     }
-    compressors = {ref.compressor for ref in refs}
+    compressors = {ref.compressor for ref in named.values()}
     options = ConvertOptions(
         compressor=compressors.pop() if len(compressors) == 1 else "none",
         layouts=layouts,
         format_version=manifest.format_version,
+        placements=named,
     )
     names = frozenset(opaque_globals)
     policy = PicklePolicy(opaque_globals=names - {"*"}, all_unknown_opaque="*" in names)
@@ -94,7 +98,7 @@ def replan_source(
         units: dict[str, dict[int, WriteUnit]] = {ref.path: {} for ref in plan.arrays}
         for unit in plan.units:
             units[plan.arrays[unit.array].path][unit.flat_start] = unit
-        yield SourceShards(plan, {ref.path: ref for ref in plan.arrays}, units, source)
+        yield SourceShards(plan, {array.path: array for array in plan.arrays}, units, source)
 
 
 def _check_shapes(source: SourceCheckpoint, manifest: CheckpointManifest, src: Path) -> None:

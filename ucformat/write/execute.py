@@ -23,8 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from ucformat.format.dtypes import itemsize, numpy_storage_dtype, torch_to_storage
-from ucformat.format.models import ArrayRef
-from ucformat.format.spec import shard_object_key
+from ucformat.format.stacks import StoredArray
 from ucformat.store.arrays import Array, write_region, write_shard
 from ucformat.store.arrays import create_arrays as create_array_group
 from ucformat.store.direct.objects import local_object
@@ -46,7 +45,7 @@ def create_arrays(store: Store, plan: ConvertPlan) -> list[Array]:
     return create_array_group(store, plan.arrays)
 
 
-def fill_unit(ref: ArrayRef, unit: WriteUnit) -> np.ndarray:
+def fill_unit(ref: StoredArray, unit: WriteUnit) -> np.ndarray:
     """The flat values of ``unit``'s shard (storage dtype), read from the source files."""
     buffer = np.zeros(unit.numel, dtype=numpy_storage_dtype(ref.dtype))
     for copy in unit.copies:
@@ -87,7 +86,7 @@ def write_units(
     def run(unit: WriteUnit) -> int:
         ref, array = plan.arrays[unit.array], arrays[unit.array]
         if ref.compressor == "none" and ref.shape:
-            key = shard_object_key(ref.path, shard_of(ref, unit))
+            key = ref.shard_key(shard_of(ref, unit))
             with local_object(array.store_path.store, key) as fd:
                 if fd is not None:
                     if not hasattr(scratch, "window"):  # one per worker, reused for every shard

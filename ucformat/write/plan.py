@@ -3,16 +3,20 @@
 :func:`plan_convert` turns a :class:`~ucformat.sources.base.SourceCheckpoint` into a frozen
 :class:`ConvertPlan`:
 
-1. one :class:`~ucformat.format.models.ArrayRef` per (parameter, state) and per buffer, with chunk
-   and shard shapes from :func:`~ucformat.layout.chunking.choose_chunking`, or, for a DeepSpeed
-   ZeRO-3 source, with shards on the ranks' partition boundaries where those fall on whole rows
-   (:func:`~ucformat.layout.chunking.fragment_rows`): each such shard has one holder, so a live
-   save moves none of its bytes between ranks;
+1. one logical array (:class:`~ucformat.format.models.ArrayRef`) per (parameter, state) and per
+   buffer, with chunk and shard shapes from :func:`~ucformat.layout.chunking.choose_chunking`,
+   or, for a DeepSpeed ZeRO-3 source, with shards on the ranks' partition boundaries where
+   those fall on whole rows (:func:`~ucformat.layout.chunking.fragment_rows`): each such shard
+   has one holder, so a live save moves none of its bytes between ranks;
 2. a proof that every array's source fragments tile it exactly (no hole, overlap or overflow);
-3. one :class:`WriteUnit` per shard: the shard's region and the :class:`CopyItem` runs that fill
-   it. Shards are flat-contiguous, so a unit is a flat range of the array, and each unit is
-   written once by exactly one writer: units can be spread over threads, processes or hosts.
-4. the manifest to commit once every unit is written.
+3. the stored arrays (:class:`~ucformat.format.stacks.StoredArray`): logical arrays of one
+   layout stacked into one zarr array (format 3.1, :mod:`ucformat.layout.stacking`), or each
+   its own (the layout of older versions, which ``verify`` re-plans stores of);
+4. one :class:`WriteUnit` per shard of a stored array: the shard's region and the
+   :class:`CopyItem` runs that fill it. Shards are flat-contiguous, so a unit is a flat range
+   of its stored array, and each unit is written once by exactly one writer: units can be
+   spread over threads, processes or hosts.
+5. the manifest to commit once every unit is written.
 """
 
 from __future__ import annotations
@@ -20,40 +24,40 @@ from __future__ import annotations
 import bisect
 import itertools
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from math import prod
 
 from ucformat._version import __version__
 from ucformat.errors import InvalidNameError
 from ucformat.format.dtypes import itemsize
-from ucformat.format.megatron import MegatronLayout
 from ucformat.format.models import (
     ArrayRef,
     BufferEntry,
     CheckpointManifest,
     ParamEntry,
     PartitionState,
+    StackSlot,
 )
 from ucformat.format.spec import (
-    BOX_CHUNKS_VERSION,
-    FLAT_CHUNKS_VERSION,
     FORMAT_VERSION,
     FP32_STATE,
     VALUE_STATE,
     buffer_array_path,
+    is_stacked_version,
     name_problem,
+    stack_array_path,
     state_array_path,
 )
-from ucformat.format.tensor_parallel import TensorParallelInfo
+from ucformat.format.stacks import StoredArray, stored_array
 from ucformat.layout.chunking import (
     Chunking,
     ChunkPolicy,
     aligned_chunking,
     choose_chunking,
     fragment_rows,
-    is_flat_chunking,
 )
 from ucformat.layout.ranges import check_tiling
+from ucformat.layout.stacking import arrays_per_shard, group_stacks
 from ucformat.sources.base import ArraySource, SourceCheckpoint, SourceFragment
 
 __all__ = [
@@ -61,33 +65,8 @@ __all__ = [
     "ConvertPlan",
     "CopyItem",
     "WriteUnit",
-    "layout_version",
     "plan_convert",
 ]
-
-
-def layout_version(
-    arrays: list[ArrayRef],
-    tensor_parallel: TensorParallelInfo | None = None,
-    megatron: MegatronLayout | None = None,
-    non_elementwise: bool = False,
-) -> str:
-    """The lowest format version whose rules the store satisfies (docs/format.md §5.3, §5.4).
-
-    Format 3.0 adds to 2.1 only box chunks and the ``tensor_parallel.framework`` value
-    ``deepspeed-patterns``: a store with neither is written as 2.1, so readers of format 2
-    still read it; either makes it 3.0, which they refuse instead of misreading. Format 3.1
-    adds optional members (``manifest.megatron``'s layout of pipeline, expert and optimizer;
-    optimizer states that are not elementwise, ``non_elementwise``): a store that has them is
-    3.1.
-    """
-    if non_elementwise or (megatron is not None and megatron.has_minor_3_1_members()):
-        return FORMAT_VERSION
-    flat = all(
-        prod(ref.shape) == 0 or is_flat_chunking(ref.shape, ref.chunk_shape) for ref in arrays
-    )
-    known = tensor_parallel is None or tensor_parallel.framework == "deepspeed-autotp"
-    return FLAT_CHUNKS_VERSION if flat and known else BOX_CHUNKS_VERSION
 
 
 @dataclass(frozen=True)
@@ -96,13 +75,19 @@ class ConvertOptions:
 
     policy: ChunkPolicy = field(default_factory=ChunkPolicy)
     compressor: str = "none"
-    #: Chunk and shard shapes for these array paths, instead of the policy's choice (``verify``
-    #: re-plans a source in the layout of an existing store).
+    #: Chunk and shard shapes for these logical arrays (by the name ``params/<fqn>/<state>`` or
+    #: ``buffers/<fqn>``), instead of the policy's choice (a live save's shards on its owners'
+    #: rows; ``verify`` re-plans a source in the layout of an existing store).
     layouts: Mapping[str, Chunking] = field(default_factory=dict)
-    #: The format version of the manifest; None: the lowest that describes the layout
-    #: (:func:`layout_version`). ``verify`` asks for the store's own: to re-plan a source as
-    #: that writer laid it out (format 1: frozen values under ``fp32``).
+    #: The format version of the manifest; None: this writer's (:data:`FORMAT_VERSION`,
+    #: stacks). ``verify`` asks for the store's own: to re-plan a source as that writer laid it
+    #: out (format 3.0 and older: one array per (parameter, state); format 1: frozen values
+    #: under ``fp32``).
     format_version: str | None = None
+    #: Where each logical array lies (by name, as ``layouts``), instead of the stacking policy's
+    #: choice: ``verify`` re-plans a source into the stacks of an existing store. Used only when
+    #: it places every logical array of the source in a stack.
+    placements: Mapping[str, ArrayRef] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -117,7 +102,7 @@ class CopyItem:
 
 @dataclass(frozen=True)
 class WriteUnit:
-    """One shard of one array: its region, its flat range and the copies that fill it."""
+    """One shard of one stored array: its region, its flat range and the copies that fill it."""
 
     array: int
     region: tuple[slice, ...]
@@ -133,31 +118,41 @@ class WriteUnit:
 
 @dataclass(frozen=True)
 class ConvertPlan:
-    """Everything needed to write a store, decided up front."""
+    """Everything needed to write a store, decided up front: the zarr arrays to create, the
+    shards that fill them, and the manifest naming every logical array in them."""
 
-    arrays: tuple[ArrayRef, ...]
+    arrays: tuple[StoredArray, ...]
     units: tuple[WriteUnit, ...]
     manifest: CheckpointManifest
 
     @property
     def nbytes(self) -> int:
         """Uncompressed bytes the plan writes."""
-        return sum(ref.nbytes for ref in self.arrays)
+        return sum(array.numel * itemsize(array.dtype) for array in self.arrays)
+
+
+@dataclass(frozen=True)
+class _Logical:
+    """One logical array while planning: its name, its reference (path and stack slot still
+    to be given) and its source."""
+
+    name: str
+    ref: ArrayRef
+    source: ArraySource
 
 
 def plan_convert(source: SourceCheckpoint, options: ConvertOptions) -> ConvertPlan:
     """Plan the conversion of ``source``; raises CoverageError if any array would have a hole."""
-    arrays: list[ArrayRef] = []
-    sources: list[ArraySource] = []
+    logical: list[_Logical] = []
     partitioned = source.source.framework == "deepspeed" and source.source.zero_stage == 3
 
-    def add(path: str, array: ArraySource, what: str) -> ArrayRef:
+    def add(name: str, array: ArraySource, what: str) -> int:
         check_tiling(what, array.numel, ((f.start, f.start + f.length) for f in array.fragments))
-        chunking = options.layouts.get(path)
+        chunking = options.layouts.get(name)
         if chunking is None or len(chunking.chunk_shape) != len(array.shape):
             chunking = _chunking(array, options.policy, partitioned)
         ref = ArrayRef(
-            path=path,
+            path=name,
             dtype=array.dtype,  # type: ignore[arg-type]
             shape=list(array.shape),
             chunk_shape=list(chunking.chunk_shape),
@@ -165,69 +160,89 @@ def plan_convert(source: SourceCheckpoint, options: ConvertOptions) -> ConvertPl
             nbytes=array.numel * itemsize(array.dtype),
             compressor=options.compressor,  # type: ignore[arg-type]
         )
-        arrays.append(ref)
-        sources.append(array)
-        return ref
+        logical.append(_Logical(name, ref, array))
+        return len(logical) - 1
 
     legacy = (options.format_version or "").partition(".")[0] == "1"
     aliases: dict[str, list[str]] = {}
     for alias, owner in source.tied.items():
         _check_name(alias, "tied alias", f" of parameter '{owner}'")
         aliases.setdefault(owner, []).append(alias)
-    params: dict[str, ParamEntry] = {}
+    param_arrays: dict[str, dict[str, int]] = {}
+    whole_arrays: dict[str, dict[str, int]] = {}
     for name, param in source.params.items():
         _check_name(name, "parameter")
         for state in param.arrays:
             _check_name(state, "state", f" of parameter '{name}'")
-        states = {
+        param_arrays[name] = {
             state: add(state_array_path(name, state), array, f"param '{name}' state '{state}'")
             for state, array in _format_states(param.arrays, legacy).items()
         }
-        whole = {
+        whole_arrays[name] = {
             key: add(state_array_path(name, key), array, f"param '{name}' whole state '{key}'")
             for key, array in param.whole.items()
         }
-        params[name] = ParamEntry(
+    for name in source.buffers:
+        _check_name(name, "buffer")
+    buffer_arrays = {
+        name: add(buffer_array_path(name), array, f"buffer '{name}'")
+        for name, array in source.buffers.items()
+    }
+    optimizer = source.optimizer
+    partition_arrays: dict[int, dict[str, int]] = {}
+    if optimizer is not None:  # under each group's first member (docs/format.md §3.4)
+        for g, held in sorted(source.partition_states.items()):
+            first = optimizer.groups[g].params[0]
+            partition_arrays[g] = {
+                key: add(state_array_path(first, key), part.array, f"group {g} '{key}'")
+                for key, part in held.items()
+            }
+    version = options.format_version
+    if version is None or is_stacked_version(version):
+        refs, stored, fragments = _stacked(logical, options)
+        version = version or FORMAT_VERSION
+    else:
+        refs = [item.ref for item in logical]
+        stored = [stored_array(ref) for ref in refs]
+        fragments = [item.source.fragments for item in logical]
+    params = {
+        name: ParamEntry(
             shape=list(param.shape),
             dtype=param.dtype,  # type: ignore[arg-type]
             requires_grad=param.requires_grad,
             group=param.group,
-            states=states,
+            states={state: refs[index] for state, index in param_arrays[name].items()},
             scalars=param.scalars,
             aliases=aliases.get(name, []),
-            whole_states=whole,
+            whole_states={key: refs[index] for key, index in whole_arrays[name].items()},
         )
-    for name in source.buffers:
-        _check_name(name, "buffer")
+        for name, param in source.params.items()
+    }
     buffers = {
         name: BufferEntry(
             shape=list(array.shape),
             dtype=array.dtype,  # type: ignore[arg-type]
-            array=add(buffer_array_path(name), array, f"buffer '{name}'"),
+            array=refs[buffer_arrays[name]],
         )
         for name, array in source.buffers.items()
     }
     tied = {alias: owner for alias, owner in source.tied.items() if owner in params}
-    optimizer = source.optimizer
-    if optimizer is not None and source.partition_states:  # under each group's first member
+    if optimizer is not None and partition_arrays:
         groups = list(optimizer.groups)
-        for g, held in sorted(source.partition_states.items()):
-            first = groups[g].params[0]
-            refs = {
+        for g, held in partition_arrays.items():
+            states = {
                 key: PartitionState(
-                    partitions=part.array.shape[0],
-                    shape=list(part.array.shape[1:]),
-                    replicated=part.replicated,
-                    array=add(state_array_path(first, key), part.array, f"group {g} '{key}'"),
+                    partitions=source.partition_states[g][key].array.shape[0],
+                    shape=list(source.partition_states[g][key].array.shape[1:]),
+                    replicated=source.partition_states[g][key].replicated,
+                    array=refs[index],
                 )
-                for key, part in held.items()
+                for key, index in held.items()
             }
-            groups[g] = groups[g].model_copy(update={"partition_states": refs})
+            groups[g] = groups[g].model_copy(update={"partition_states": states})
         optimizer = optimizer.model_copy(update={"groups": groups})
-    odd = bool(source.partition_states) or any(p.whole for p in source.params.values())
     manifest = CheckpointManifest(
-        format_version=options.format_version
-        or layout_version(arrays, source.tensor_parallel, source.megatron, odd),
+        format_version=version,
         created_by=f"ucformat {__version__}",
         source=source.source,
         params=params,
@@ -242,10 +257,98 @@ def plan_convert(source: SourceCheckpoint, options: ConvertOptions) -> ConvertPl
     )
     units = tuple(
         unit
-        for index, (ref, array) in enumerate(zip(arrays, sources, strict=True))
-        for unit in _units(index, ref, array)
+        for index, (array, pieces) in enumerate(zip(stored, fragments, strict=True))
+        for unit in _units(index, array, pieces)
     )
-    return ConvertPlan(tuple(arrays), units, manifest)
+    return ConvertPlan(tuple(stored), units, manifest)
+
+
+def _stacked(
+    logical: list[_Logical], options: ConvertOptions
+) -> tuple[list[ArrayRef], list[StoredArray], list[list[SourceFragment]]]:
+    """Format 3.1: the logical arrays stacked (their references, the stacks, and each stack's
+    fragments at their flat positions in it)."""
+    stacks = _given_stacks(logical, options.placements)
+    if stacks is None:
+        stacks = _policy_stacks(logical, options.policy.shard_bytes)
+    refs: list[ArrayRef | None] = [None] * len(logical)
+    stored: list[StoredArray] = []
+    fragments: list[list[SourceFragment]] = []
+    for number, (members, per_shard) in enumerate(stacks):
+        pieces: list[SourceFragment] = []
+        for index, member in enumerate(members):
+            item = logical[member]
+            slot = StackSlot(index=index, size=len(members), per_shard=per_shard)
+            refs[member] = item.ref.model_copy(
+                update={"path": stack_array_path(number), "stack": slot}
+            )
+            base = index * item.source.numel
+            pieces += [replace(f, start=f.start + base) for f in item.source.fragments]
+        first = refs[members[0]]
+        assert first is not None
+        stored.append(stored_array(first))
+        fragments.append(pieces)
+    assert all(ref is not None for ref in refs)
+    return [ref for ref in refs if ref is not None], stored, fragments
+
+
+def _layout_key(ref: ArrayRef) -> tuple[object, ...]:
+    return (ref.dtype, tuple(ref.shape), tuple(ref.chunk_shape), tuple(ref.shard_shape),
+            ref.compressor)  # fmt: skip
+
+
+def _policy_stacks(logical: list[_Logical], shard_bytes: int) -> list[tuple[list[int], int]]:
+    """The stacks :mod:`ucformat.layout.stacking` gives: members and arrays per shard."""
+    keys = [_layout_key(item.ref) for item in logical]
+    counts: dict[tuple[object, ...], int] = {}
+    for key in keys:
+        counts[key] = counts.get(key, 0) + 1
+
+    def fit(item: _Logical, count: int) -> int:
+        ref = item.ref
+        return arrays_per_shard(
+            count, ref.shape, ref.chunk_shape, ref.shard_shape, itemsize(ref.dtype), shard_bytes
+        )
+
+    per_shard = [fit(item, counts[key]) for item, key in zip(logical, keys, strict=True)]
+    objects = [
+        1 if per > 1 else _shard_count(item.ref)
+        for item, per in zip(logical, per_shard, strict=True)
+    ]
+    return [
+        (members, fit(logical[members[0]], len(members)))
+        for members in group_stacks(keys, objects, per_shard)
+    ]
+
+
+def _shard_count(ref: ArrayRef) -> int:
+    if not ref.shape:
+        return 1
+    return prod(-(-d // s) for d, s in zip(ref.shape, ref.shard_shape, strict=True))
+
+
+def _given_stacks(
+    logical: list[_Logical], placements: Mapping[str, ArrayRef]
+) -> list[tuple[list[int], int]] | None:
+    """The stacks ``placements`` give every logical array (in stack-number order), or None
+    when they do not place all of them, each in a stack whose layout is its own."""
+    if not placements:
+        return None
+    by_path: dict[str, dict[int, int]] = {}
+    per_shard: dict[str, int] = {}
+    for number, item in enumerate(logical):
+        placed = placements.get(item.name)
+        if placed is None or placed.stack is None or _layout_key(placed) != _layout_key(item.ref):
+            return None
+        by_path.setdefault(placed.path, {})[placed.stack.index] = number
+        per_shard[placed.path] = placed.stack.per_shard
+    stacks: list[tuple[list[int], int]] = []
+    for position, path in enumerate(sorted(by_path, key=lambda p: int(p.rpartition("/")[2]))):
+        members = by_path[path]
+        if path != stack_array_path(position) or sorted(members) != list(range(len(members))):
+            return None
+        stacks.append(([members[i] for i in range(len(members))], per_shard[path]))
+    return stacks
 
 
 def _chunking(array: ArraySource, policy: ChunkPolicy, partitioned: bool) -> Chunking:
@@ -300,11 +403,14 @@ def _flat_start(shape: list[int], region: tuple[slice, ...]) -> int:
     return offset
 
 
-def _units(index: int, ref: ArrayRef, array: ArraySource) -> Iterator[WriteUnit]:
-    fragments = sorted(array.fragments, key=lambda f: f.start)
+def _units(
+    index: int, array: StoredArray, fragments: list[SourceFragment]
+) -> Iterator[WriteUnit]:
+    fragments = sorted(fragments, key=lambda f: f.start)
     starts = [f.start for f in fragments]
-    for region in shard_regions(ref.shape, ref.shard_shape):
-        start = _flat_start(ref.shape, region)
+    shape = list(array.shape)
+    for region in shard_regions(shape, list(array.shard_shape)):
+        start = _flat_start(shape, region)
         stop = start + prod(s.stop - s.start for s in region)
         first = max(0, bisect.bisect_right(starts, start) - 1)
         copies: list[CopyItem] = []

@@ -16,22 +16,29 @@ Either way the bytes are exactly those zarr writes for the same region
 (``tests/store/direct/test_shard_write.py``, ``tests/store/direct/test_shard_encoding.py``);
 zarr's per-chunk encode (a coroutine, a checksum copy and a shard copy per chunk) is what this
 avoids.
+
+A shard of a stack (docs/format.md §2.5) that holds one logical array is encoded in that
+array's own geometry (the stack's leading axis dropped, :func:`squeezed`): its chunk grid has
+extent 1 on that axis, which takes no bits of zarr's Morton order and no room in the index,
+so the bytes are those of the logical array's shard, and a matrix's box chunks take the fast
+path below.
 """
 
 from __future__ import annotations
 
 import bisect
 import functools
+import math
 import mmap
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import crc32c
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
 from ucformat.format.dtypes import itemsize, torch_to_storage
-from ucformat.format.models import ArrayRef
+from ucformat.format.stacks import StoredArray
 from ucformat.layout.chunking import is_flat_chunking
 from ucformat.layout.shards import (
     ABSENT,
@@ -44,7 +51,14 @@ from ucformat.layout.shards import (
 from ucformat.sysio.fileio import pwrite_all
 from ucformat.write.plan import CopyItem, WriteUnit
 
-__all__ = ["WINDOW_BYTES", "ShardEncoder", "encode_shard", "shard_of", "stream_shard"]
+__all__ = [
+    "WINDOW_BYTES",
+    "ShardEncoder",
+    "encode_shard",
+    "shard_of",
+    "squeezed",
+    "stream_shard",
+]
 
 #: Bytes of chunks (with their checksums) a streaming writer fills and writes at a time: small
 #: enough to stay in a core's L2 cache between the fill and the ``pwrite`` (4 MiB did not:
@@ -52,9 +66,25 @@ __all__ = ["WINDOW_BYTES", "ShardEncoder", "encode_shard", "shard_of", "stream_s
 WINDOW_BYTES = 512 * 1024
 
 
-def shard_of(ref: ArrayRef, unit: WriteUnit) -> tuple[int, ...]:
+def shard_of(ref: StoredArray, unit: WriteUnit) -> tuple[int, ...]:
     """The coordinates, in the shard grid, of the shard ``unit`` fills."""
     return tuple(p.start // size for p, size in zip(unit.region, ref.shard_shape, strict=True))
+
+
+def squeezed(ref: StoredArray, unit: WriteUnit) -> tuple[StoredArray, WriteUnit]:
+    """``ref`` and ``unit`` without a leading axis whose shards are 1 deep (a stack's shard
+    holding one logical array): the same shard object's bytes, in the logical array's own
+    geometry (its flat range relative to the array). Anything else is returned as it is."""
+    if len(ref.shape) < 2 or ref.shard_shape[0] != 1 or ref.chunk_shape[0] != 1:
+        return ref, unit
+    base = unit.region[0].start * math.prod(ref.shape[1:])
+    inner = replace(
+        ref, shape=ref.shape[1:], chunk_shape=ref.chunk_shape[1:], shard_shape=ref.shard_shape[1:]
+    )
+    return inner, replace(
+        unit, region=unit.region[1:], flat_start=unit.flat_start - base,
+        flat_stop=unit.flat_stop - base,
+    )  # fmt: skip
 
 
 class ShardEncoder:
@@ -64,13 +94,16 @@ class ShardEncoder:
         ValueError: the array is 0-d or compressed, or the shard is not one flat range.
     """
 
-    def __init__(self, ref: ArrayRef, unit: WriteUnit) -> None:
+    def __init__(self, ref: StoredArray, unit: WriteUnit) -> None:
         if ref.compressor != "none" or not ref.shape:
             raise ValueError(f"{ref.path}: only uncompressed n-d shards are encoded here")
         self.item = itemsize(ref.dtype)
+        #: The shard's coordinates in the stored array's grid (its key).
         self.shard = shard_of(ref, unit)
+        ref, unit = squeezed(ref, unit)
+        coords = shard_of(ref, unit)
         self.layout: ShardLayout = shard_layout(
-            ref.shape, ref.chunk_shape, ref.shard_shape, self.item, self.shard
+            ref.shape, ref.chunk_shape, ref.shard_shape, self.item, coords
         )
         runs = sorted(self.layout.slots, key=lambda slot: slot.flat_start)
         if sum(s.length for s in runs) != unit.numel or runs[0].flat_start != unit.flat_start:
@@ -88,7 +121,7 @@ class ShardEncoder:
             self._chunk,
             tuple(ref.shard_shape),
             self.item,
-            self.shard,
+            coords,
         )
 
     @property
@@ -287,7 +320,7 @@ def _tables(key: _LayoutKey) -> _ShardTables:
     return _ShardTables(index, boxes[:, 0], boxes[:, 1], boxes[:, 2], whole)
 
 
-def encode_shard(ref: ArrayRef, unit: WriteUnit) -> tuple[tuple[int, ...], np.ndarray]:
+def encode_shard(ref: StoredArray, unit: WriteUnit) -> tuple[tuple[int, ...], np.ndarray]:
     """The shard coordinates of ``unit`` and its whole stored object, as ``uint8``."""
     encoder = ShardEncoder(ref, unit)
     layout = encoder.layout
@@ -300,7 +333,7 @@ def encode_shard(ref: ArrayRef, unit: WriteUnit) -> tuple[tuple[int, ...], np.nd
     return encoder.shard, buffer
 
 
-def stream_shard(fd: int, ref: ArrayRef, unit: WriteUnit, scratch: memoryview) -> int:
+def stream_shard(fd: int, ref: StoredArray, unit: WriteUnit, scratch: memoryview) -> int:
     """Write ``unit``'s shard object to the file ``fd`` through ``scratch``; its size in bytes.
 
     ``scratch`` is any buffer (at least one stored chunk is used even if it is smaller).

@@ -28,6 +28,7 @@ write created is removed.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -91,7 +92,7 @@ def plan_fingerprint(plan: ConvertPlan) -> str:
     """A digest of the plan's structure (arrays, units, copies and who holds them)."""
     return fingerprint(
         [
-            [ref.model_dump(mode="json") for ref in plan.arrays],
+            [dataclasses.astuple(array) for array in plan.arrays],
             [
                 [u.array, u.flat_start, u.flat_stop]
                 + [[_rank_of(c), c.tensor_start, c.offset, c.length] for c in u.copies]
@@ -281,13 +282,12 @@ def _flush(store: Store, keys: list[str], group: Group) -> None:
 
 def _shard_keys(plan: ConvertPlan, units: Sequence[WriteUnit]) -> list[str]:
     """The store keys of the shard objects ``units`` write."""
-    from ucformat.format.spec import shard_object_key
     from ucformat.write.shard_encode import shard_of
 
     keys = []
     for unit in units:
         ref = plan.arrays[unit.array]
-        keys.append(shard_object_key(ref.path, shard_of(ref, unit) if ref.shape else ()))
+        keys.append(ref.shard_key(shard_of(ref, unit) if ref.shape else ()))
     return keys
 
 

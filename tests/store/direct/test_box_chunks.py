@@ -13,7 +13,9 @@ import pytest
 from zarr.storage import LocalStore, MemoryStore
 
 import ucformat
+from tests.helpers import logical_values, read_cost, shard_key
 from ucformat.format.models import ArrayRef
+from ucformat.format.stacks import stored_array
 from ucformat.layout.boxes import Run
 from ucformat.layout.chunking import ChunkPolicy, chunk_aligned_range, is_flat_chunking
 from ucformat.layout.placements import local_runs
@@ -107,28 +109,41 @@ def _write(
     return ucformat.open(dst)
 
 
-def _refs(ckpt: ucformat.UniversalCheckpoint) -> list[ArrayRef]:
-    return [s for p in ckpt.manifest.params.values() for s in p.states.values() if s.shape]
+def _refs(ckpt: ucformat.UniversalCheckpoint) -> list[tuple[str, str, ArrayRef]]:
+    """(parameter, state, ref) of every state with at least one dimension."""
+    return [
+        (name, state, ref)
+        for name, entry in ckpt.manifest.params.items()
+        for state, ref in entry.states.items()
+        if ref.shape
+    ]
+
+
+def _boxed(ckpt: ucformat.UniversalCheckpoint) -> list[tuple[str, str, ArrayRef]]:
+    return [
+        item for item in _refs(ckpt) if not is_flat_chunking(item[2].shape, item[2].chunk_shape)
+    ]
 
 
 def test_box_shards_equal_zarr_writes(tmp_path: Path) -> None:
     ckpt = _write(tmp_path / "s", BOX)
     ours = LocalStore(tmp_path / "s", read_only=True)
-    boxed = 0
-    for ref in _refs(ckpt):
-        boxed += not is_flat_chunking(ref.shape, ref.chunk_shape)
-        values = np.asarray(array_from_manifest(ours, ref)[...])
+    boxed = sum(
+        not is_flat_chunking(ref.shape, ref.chunk_shape) for _, _, ref in _refs(ckpt)
+    )
+    stored = {stored_array(ref) for _, _, ref in _refs(ckpt)}
+    for array in stored:  # every stack, as zarr writes it
+        values = np.asarray(array_from_manifest(ours, array)[...])
         zarr_store = MemoryStore()
-        theirs = create_array(zarr_store, ref)
-        for region in shard_regions(ref.shape, ref.shard_shape):
+        theirs = create_array(zarr_store, array)
+        for region in shard_regions(list(array.shape), list(array.shard_shape)):
             write_region(theirs, region, values[region])
-            coords = tuple(p.start // s for p, s in zip(region, ref.shard_shape, strict=True))
+            coords = tuple(p.start // s for p, s in zip(region, array.shard_shape, strict=True))
             key = chunk_key(theirs, coords)
-            assert read_key(ours, key) == read_key(zarr_store, key), (ref.path, coords)
+            assert read_key(ours, key) == read_key(zarr_store, key), (array.path, coords)
     assert boxed >= 3
     flat = _write(tmp_path / "flat", ChunkPolicy(64, 512))  # the same values, flat chunks
-    for ref in _refs(ckpt):
-        name, state = ref.path.split("/")[1], ref.path.split("/")[2]
+    for name, state, _ in _refs(ckpt):
         assert np.array_equal(ckpt.read(name, state).numpy(), flat.read(name, state).numpy())
     assert ucformat.verify(tmp_path / "s").ok
 
@@ -137,11 +152,10 @@ def test_box_shards_equal_zarr_writes(tmp_path: Path) -> None:
 def test_box_reads_equal_zarr_and_cost_model(tmp_path: Path, compressor: str) -> None:
     ckpt = _write(tmp_path / "s", BOX, compressor)
     rng = random.Random(2)
-    refs = [r for r in _refs(ckpt) if not is_flat_chunking(r.shape, r.chunk_shape)]
+    refs = _boxed(ckpt)
     for trial in range(40):
-        ref = rng.choice(refs)
-        name, state = ref.path.split("/")[1], ref.path.split("/")[2]
-        whole = np.asarray(array_from_manifest(ckpt.store, ref)[...]).reshape(-1)
+        name, state, ref = rng.choice(refs)
+        whole = logical_values(ckpt.store, ref).reshape(-1)
         numel = whole.size
         fresh = ucformat.open(tmp_path / "s")  # fresh index cache
         before = (fresh.stats.bytes_read, fresh.stats.requests)
@@ -150,7 +164,7 @@ def test_box_reads_equal_zarr_and_cost_model(tmp_path: Path, compressor: str) ->
             stop = rng.randint(start + 1, numel)
             got = fresh.read_range(name, state, start, stop)
             expected = whole[start:stop]
-            cost = range_read_cost(ref.shape, ref.chunk_shape, ref.shard_shape, 4, [(start, stop)])
+            cost = read_cost(ref, [(start, stop)])
         else:  # a DTensor local shard: a box as one run per row
             rows, cols = ref.shape
             r0, c0 = rng.randrange(rows), rng.randrange(cols)
@@ -159,20 +173,17 @@ def test_box_reads_equal_zarr_and_cost_model(tmp_path: Path, compressor: str) ->
             got = fresh.read_runs(name, state, runs)
             expected = np.concatenate([whole[r.start : r.start + r.length] for r in runs])
             spans = [(r.start, r.start + r.length) for r in runs]
-            cost = runs_read_cost(ref.shape, ref.chunk_shape, ref.shard_shape, 4, spans)
-        assert np.array_equal(got.numpy(), expected), (ref.path, trial)
+            cost = read_cost(ref, spans, runs=True)
+        assert np.array_equal(got.numpy(), expected), (name, state, trial)
         if compressor == "none":
-            assert fresh.stats.bytes_read - before[0] == cost.total, (ref.path, trial)
-            assert fresh.stats.requests - before[1] == cost.requests, (ref.path, trial)
+            assert fresh.stats.bytes_read - before[0] == cost.total, (name, state, trial)
+            assert fresh.stats.requests - before[1] == cost.requests, (name, state, trial)
 
 
 def test_box_runs_read_only_their_columns(tmp_path: Path) -> None:
     """A column half of a box-chunked matrix fetches about half of its chunks."""
     ckpt = _write(tmp_path / "s", BOX)
-    ref = max(
-        (r for r in _refs(ckpt) if not is_flat_chunking(r.shape, r.chunk_shape)),
-        key=lambda r: prod(r.shape),
-    )
+    _, _, ref = max(_boxed(ckpt), key=lambda item: prod(item[2].shape))
     rows, cols = ref.shape
     runs: list[Run] = local_runs(tuple(ref.shape), (((0, rows),), ((0, cols // 2),)))
     spans = [(r.start, r.start + r.length) for r in runs]
@@ -190,11 +201,7 @@ def test_row_parallel_fragments_read_their_columns(tmp_path: Path) -> None:
 
     _write(tmp_path / "s", BOX)
     ckpt = ucformat.open(tmp_path / "s")
-    ref = max(
-        (r for r in _refs(ckpt) if not is_flat_chunking(r.shape, r.chunk_shape)),
-        key=lambda r: prod(r.shape),
-    )
-    name = ref.path.split("/")[1]
+    name, _, ref = max(_boxed(ckpt), key=lambda item: prod(item[2].shape))
     rows, cols = ref.shape
     half = cols // 2
     fragments = [Fragment(name, 0, row * cols + half, 3 + row * (cols - half), cols - half)
@@ -217,9 +224,8 @@ def test_box_chunk_damage_is_an_error_naming_the_chunk(tmp_path: Path) -> None:
     from ucformat.errors import CorruptDataError
 
     ckpt = _write(tmp_path / "s", BOX)
-    ref = next(r for r in _refs(ckpt) if not is_flat_chunking(r.shape, r.chunk_shape))
-    name, state = ref.path.split("/")[1], ref.path.split("/")[2]
-    shard = tmp_path / "s" / ref.path / "c" / "0" / "0"
+    name, state, ref = _boxed(ckpt)[0]
+    shard = tmp_path / "s" / shard_key(ref, (0, 0))
     data = bytearray(shard.read_bytes())
     data[5] ^= 0xFF  # inside the first stored chunk
     shard.write_bytes(bytes(data))
@@ -239,10 +245,9 @@ def test_flat_stores_read_as_before(tmp_path: Path) -> None:
     rule, the values of zarr."""
     ckpt = _write(tmp_path / "s", ChunkPolicy(64, 512, tp_max=1))
     refs = _refs(ckpt)
-    assert all(is_flat_chunking(r.shape, r.chunk_shape) for r in refs)
+    assert all(is_flat_chunking(r.shape, r.chunk_shape) for _, _, r in refs)
     rng = random.Random(4)
-    for ref in [r for r in refs if len(r.shape) == 2]:
-        name, state = ref.path.split("/")[1], ref.path.split("/")[2]
+    for name, state, ref in [item for item in refs if len(item[2].shape) == 2]:
         rows, cols = ref.shape
         c0 = rng.randrange(cols)
         runs = local_runs(tuple(ref.shape), (((0, rows),), ((c0, cols),)))
@@ -250,8 +255,8 @@ def test_flat_stores_read_as_before(tmp_path: Path) -> None:
         before = (fresh.stats.bytes_read, fresh.stats.requests)
         got = fresh.read_runs(name, state, runs).numpy()
         fetched = (fresh.stats.bytes_read - before[0], fresh.stats.requests - before[1])
-        whole = np.asarray(array_from_manifest(fresh.store, ref)[...])
+        whole = logical_values(fresh.store, ref)
         assert np.array_equal(got.reshape(rows, cols - c0), whole[:, c0:])
         spans = [(r.start, r.start + r.length) for r in runs]
-        cost = runs_read_cost(ref.shape, ref.chunk_shape, ref.shard_shape, 4, spans)
+        cost = read_cost(ref, spans, runs=True)
         assert fetched == (cost.total, cost.requests)

@@ -9,6 +9,7 @@ import pytest
 from zarr.storage import LocalStore, MemoryStore
 
 import ucformat
+from ucformat.format.stacks import placement, stored_array
 from ucformat.store.arrays import array_from_manifest, chunk_key, create_array, write_region
 from ucformat.store.keys import read_key
 from ucformat.write.plan import shard_regions
@@ -32,22 +33,23 @@ def test_encoded_shards_equal_zarr_writes(
         DATA / case / "ckpt", tmp_path / "s", chunk_bytes=chunk_bytes, shard_bytes=shard_bytes
     )
     ours = LocalStore(tmp_path / "s", read_only=True)
-    refs = [s for p in manifest.params.values() for s in p.states.values()]
-    refs += [b.array for b in manifest.buffers.values()]
+    refs = [ref for _, ref in manifest.arrays()]
+    stored = {stored_array(ref) for ref in refs}  # the stacks: 0-d arrays stacked too
     shards = 0
-    for ref in refs:
-        if not ref.shape or not all(ref.shape):
+    for array in stored:
+        if not all(array.shape):
             continue
-        values = np.asarray(array_from_manifest(ours, ref)[...])
+        values = np.asarray(array_from_manifest(ours, array)[...])
         zarr_store = MemoryStore()
-        theirs = create_array(zarr_store, ref)
-        for region in shard_regions(ref.shape, ref.shard_shape):
+        theirs = create_array(zarr_store, array)
+        for region in shard_regions(list(array.shape), list(array.shard_shape)):
             write_region(theirs, region, values[region])
-            coords = tuple(p.start // s for p, s in zip(region, ref.shard_shape, strict=True))
+            coords = tuple(p.start // s for p, s in zip(region, array.shard_shape, strict=True))
             key = chunk_key(theirs, coords)
-            assert read_key(ours, key) == read_key(zarr_store, key), (ref.path, coords)
+            assert read_key(ours, key) == read_key(zarr_store, key), (array.path, coords)
             shards += 1
-    assert shards >= sum(1 for r in refs if r.shape and all(r.shape))
+    assert shards >= len(stored)
+    assert any(ref.stack and ref.stack.per_shard > 1 for ref in refs)  # shared shards too
 
 
 def test_fast_reads_equal_zarr_reads(tmp_path: Path) -> None:
@@ -68,10 +70,10 @@ def test_fast_reads_equal_zarr_reads(tmp_path: Path) -> None:
     slow = ucformat.open(tmp_path / "s")
     refs = [s for p in fast.manifest.params.values() for s in p.states.values() if s.shape]
     for _ in range(60):
-        ref = rng.choice(refs)
-        numel = int(np.prod(ref.shape))
-        start = rng.randrange(numel)
-        stop = rng.randint(start + 1, numel)
+        ref, offset = placement(rng.choice(refs))  # the stack, and where the array lies in it
+        numel = int(np.prod(ref.shape[1:]))
+        start = offset + rng.randrange(numel)
+        stop = rng.randint(start + 1, offset + numel)
         out = np.empty(stop - start, dtype=numpy_storage_dtype(ref.dtype))
         array = fast._array(ref)
         assert read_flat_range(

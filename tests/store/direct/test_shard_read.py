@@ -9,7 +9,6 @@ requests through the store).
 
 from __future__ import annotations
 
-import functools
 import re
 import shutil
 import struct
@@ -26,7 +25,7 @@ import ucformat
 from ucformat.errors import CorruptDataError
 from ucformat.format.dtypes import numpy_storage_dtype
 from ucformat.format.models import ArrayRef
-from ucformat.format.spec import shard_object_key
+from ucformat.format.stacks import StoredArray, placement
 from ucformat.layout.grid import chunk_flat_range
 from ucformat.store.arrays import read_box
 from ucformat.store.direct.shard_read import DirectRead, Outcome, read_flat_range
@@ -55,6 +54,22 @@ def _biggest(path: Path) -> tuple[str, ArrayRef]:
     return name, manifest.params[name].states["exp_avg"]
 
 
+def _chunk(ref: ArrayRef, coords: tuple[int, ...]) -> tuple[tuple[int, ...], int, int]:
+    """Chunk ``coords`` of the logical array ``ref`` as its stack names it: coordinates in the
+    stack, and its flat element range there."""
+    stored, offset = placement(ref)
+    start, stop = chunk_flat_range(ref.shape, ref.chunk_shape, coords)
+    where = coords if ref.stack is None else (ref.stack.index, *coords)
+    return where, offset + start, offset + stop
+
+
+def _shard(store: Path, ref: ArrayRef, coords: tuple[int, ...]) -> Path:
+    """The file of shard ``coords`` (in the logical array's grid) of ``ref``."""
+    from tests.helpers import shard_key
+
+    return store / shard_key(ref, coords)
+
+
 def _rewrite_index(shard: Path, ref: ArrayRef, entry: int, value: tuple[int, int]) -> None:
     """Set index entry ``entry`` of ``shard`` to ``value`` and give the index a valid crc32c."""
     data = bytearray(shard.read_bytes())
@@ -78,8 +93,10 @@ def _in_memory(path: Path) -> MemoryStore:
 
 def _direct(ckpt: ucformat.UniversalCheckpoint, ref: ArrayRef, start: int, stop: int) -> DirectRead:
     out = np.empty(stop - start, dtype=numpy_storage_dtype(ref.dtype))
-    key = functools.partial(shard_object_key, ref.path)
-    return read_flat_range(ckpt.store, ref, key, start, stop, out)
+    stored, offset = placement(ref)
+    return read_flat_range(
+        ckpt.store, stored, stored.shard_key, offset + start, offset + stop, out
+    )
 
 
 def test_ok_not_applicable_and_corrupt_are_three_outcomes(store: Path, tmp_path: Path) -> None:
@@ -91,54 +108,59 @@ def test_ok_not_applicable_and_corrupt_are_three_outcomes(store: Path, tmp_path:
     _, compressed = _biggest(zstd)
     assert compressed.compressor == "zstd"
     assert _direct(ucformat.open(zstd), compressed, 0, numel).outcome is Outcome.NOT_APPLICABLE
-    shard = store / ref.path / "c" / "0" / "0"
+    shard = _shard(store, ref, (0, 0))
     data = bytearray(shard.read_bytes())
     data[0] ^= 0x01  # the first data byte of the shard's first chunk, chunk (0, 0)
     shard.write_bytes(bytes(data))
-    start, stop = chunk_flat_range(ref.shape, ref.chunk_shape, (0, 0))
+    where, start, stop = _chunk(ref, (0, 0))
     for ckpt in (ucformat.open(store), ucformat.open(_in_memory(store))):
         result = _direct(ckpt, ref, 0, numel)
         assert result.outcome is Outcome.CORRUPT
-        expected = f"chunk (0, 0) (elements [{start}, {stop})) fails its crc32c checksum"
+        expected = f"chunk {where} (elements [{start}, {stop})) fails its crc32c checksum"
         assert result.problem == expected
 
 
 @pytest.mark.parametrize("in_memory", [False, True])
 def test_a_chunk_marked_absent_in_a_valid_index_is_refused(store: Path, in_memory: bool) -> None:
     name, ref = _biggest(store)
-    shard = store / ref.path / "c" / "1" / "0"
+    shard = _shard(store, ref, (1, 0))
     _rewrite_index(shard, ref, 0, (ABSENT, ABSENT))  # local chunk (0, 0) of shard (1, 0)
     coords = (ref.shard_shape[0] // ref.chunk_shape[0], 0)
-    start, stop = chunk_flat_range(ref.shape, ref.chunk_shape, coords)
+    chunk, start, stop = _chunk(ref, coords)
     target = _in_memory(store) if in_memory else store
     ckpt = ucformat.open(target)
+    stored: StoredArray = placement(ref)[0]
     # zarr alone reads the chunk as its fill value: the damage is invisible to its decoder
-    zeros = read_box(ckpt._array(ref), (slice(None),) * len(ref.shape)).reshape(-1)[start:stop]
+    everything = (slice(None),) * len(stored.shape)
+    zeros = read_box(ckpt._array(stored), everything).reshape(-1)[start:stop]
     assert not zeros.any()
-    where = f"chunk {coords} (elements [{start}, {stop})) is absent from the index of "
-    message = "^" + re.escape(f"{ref.path}: {where}'{ref.path}/c/1/0'; the store is corrupt")
+    where = f"chunk {chunk} (elements [{start}, {stop})) is absent from the index of "
+    key = shard.relative_to(store).as_posix()
+    message = "^" + re.escape(f"{ckpt.describe(ref)}: {where}'{key}'; the store is corrupt")
     with pytest.raises(CorruptDataError, match=message):
         ckpt.read(name, "exp_avg")
+    begin = start - placement(ref)[1]
     with pytest.raises(CorruptDataError, match=message):
-        ckpt.read_range(name, "exp_avg", start + 1, start + 2)
+        ckpt.read_range(name, "exp_avg", begin + 1, begin + 2)
     if not in_memory:  # the loader's in-place check (local stores only)
         with pytest.raises(CorruptDataError, match=message):
-            ckpt.check_range(ref, start, stop)
+            ckpt.check_range(ref, begin, begin + stop - start)
     report = ucformat.verify(target)
     assert [(p.kind, p.path) for p in report.problems] == [("checksum", ref.path)]
     assert "is absent from the index" in report.problems[0].message
-    ucformat.open(target).read_range(name, "exp_avg", 0, start)  # the rest reads fine
+    assert f"params/{name}/exp_avg" in report.problems[0].message  # the array it holds
+    ucformat.open(target).read_range(name, "exp_avg", 0, begin)  # the rest reads fine
 
 
 def test_a_chunk_of_the_wrong_size_in_a_valid_index_is_refused(store: Path) -> None:
     name, ref = _biggest(store)
-    shard = store / ref.path / "c" / "1" / "0"
+    shard = _shard(store, ref, (1, 0))
     data = shard.read_bytes()
     count = prod(s // c for s, c in zip(ref.shard_shape, ref.chunk_shape, strict=True))
     offset, nbytes = struct.unpack_from("<QQ", data, len(data) - (16 * count + 4))
     _rewrite_index(shard, ref, 0, (offset, nbytes - 4))
     ckpt = ucformat.open(store)
-    with pytest.raises(CorruptDataError, match=f"^{ref.path}: chunk "):
+    with pytest.raises(CorruptDataError, match=f"^{re.escape(ckpt.describe(ref))}: chunk "):
         ckpt.read(name, "exp_avg")
     with pytest.raises(CorruptDataError, match=f" is {nbytes - 4} bytes in the index of "):
         ckpt.check_range(ref, 0, prod(ref.shape))

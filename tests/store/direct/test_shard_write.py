@@ -14,10 +14,11 @@ import pytest
 from zarr.core.indexing import morton_order_iter
 from zarr.storage import MemoryStore
 
-from ucformat.format.models import ArrayRef
-from ucformat.layout.chunking import ChunkPolicy, choose_chunking
+from ucformat.format.stacks import StoredArray
+from ucformat.layout.chunking import Chunking, ChunkPolicy, choose_chunking
 from ucformat.layout.shards import box_runs, morton_order, shard_layout
-from ucformat.sources.base import ArraySource, SourceFragment
+from ucformat.layout.stacking import arrays_per_shard
+from ucformat.sources.base import SourceFragment
 from ucformat.store.arrays import chunk_key, create_array, write_region
 from ucformat.store.keys import read_key
 from ucformat.write.plan import _units
@@ -84,25 +85,39 @@ def _random_case(rng: random.Random) -> tuple[tuple[int, ...], str, ChunkPolicy]
     return shape, dtype, ChunkPolicy(chunk, chunk * rng.randint(1, 12))
 
 
+def _stored(
+    shape: tuple[int, ...], dtype: str, chunking: Chunking, stack: int = 0, per_shard: int = 1
+) -> StoredArray:
+    """The stored array of one logical array (``stack = 0``), or of a stack of ``stack`` of
+    them, ``per_shard`` per shard object (docs/format.md §2.5)."""
+    if not stack:
+        return StoredArray("a", dtype, shape, chunking.chunk_shape, chunking.shard_shape)
+    return StoredArray(
+        "a", dtype, (stack, *shape), (1, *chunking.chunk_shape),
+        (per_shard, *chunking.shard_shape), "none", ".",
+    )  # fmt: skip
+
+
 @pytest.mark.parametrize("live", [False, True], ids=["file-like", "live-memory"])
 @pytest.mark.parametrize("seed", range(6))
 def test_encoded_shards_equal_zarr_writes(seed: int, live: bool) -> None:
     """Also from a live save's :class:`MemoryTensor`, whose box chunks are cut straight out of
-    its memory (no staging band)."""
+    its memory (no staging band); and of stacks (format 3.1: several logical arrays, one or
+    several per shard object, ``.`` keys)."""
     from ucformat.sources.live import MemoryTensor
 
     rng = random.Random(seed)
     storage = {"float32": "<f4", "bfloat16": "<u2", "int64": "<i8", "uint8": "u1"}
     for _ in range(40):
         shape, dtype, policy = _random_case(rng)
-        values = np.arange(prod(shape)).astype(storage[dtype])
         size = np.dtype(storage[dtype]).itemsize
         chunking = choose_chunking(shape, size, policy)
-        ref = ArrayRef(
-            path="a", dtype=dtype, shape=list(shape),  # type: ignore[arg-type]
-            chunk_shape=list(chunking.chunk_shape), shard_shape=list(chunking.shard_shape),
-            nbytes=values.nbytes, compressor="none",
-        )  # fmt: skip
+        stack = rng.choice([0, 1, rng.randint(2, 7)])
+        per_shard = arrays_per_shard(
+            stack, shape, chunking.chunk_shape, chunking.shard_shape, size, policy.shard_bytes
+        )
+        ref = _stored(shape, dtype, chunking, stack, per_shard)
+        values = np.arange(prod(ref.shape)).astype(storage[dtype])
         cut = sorted(rng.sample(range(1, values.size), min(3, values.size - 1)))
         bounds = [0, *cut, values.size]
         tensor: Any = (
@@ -111,12 +126,12 @@ def test_encoded_shards_equal_zarr_writes(seed: int, live: bool) -> None:
         fragments = [SourceFragment(tensor, a, a, b - a) for a, b in itertools.pairwise(bounds)]
         store = MemoryStore()
         array = create_array(store, ref)
-        for unit in _units(0, ref, ArraySource(shape, dtype, fragments)):
+        for unit in _units(0, ref, fragments):
             coords, encoded = encode_shard(ref, unit)
-            region = values.reshape(shape)[unit.region]
+            region = values.reshape(ref.shape)[unit.region]
             write_region(array, unit.region, region)
             expected = read_key(store, chunk_key(array, coords))
-            assert encoded.tobytes() == expected, (shape, dtype, policy, coords)
+            assert encoded.tobytes() == expected, (ref, policy, coords)
 
 
 @pytest.mark.parametrize("window", [1, 40, 1 << 20])
@@ -128,14 +143,10 @@ def test_streamed_shards_equal_encoded_shards(tmp_path: Any, window: int) -> Non
             {"float32": "<f4", "bfloat16": "<u2", "int64": "<i8", "uint8": "u1"}[dtype]
         )
         chunking = choose_chunking(shape, values.itemsize, policy)
-        ref = ArrayRef(
-            path="a", dtype=dtype, shape=list(shape),  # type: ignore[arg-type]
-            chunk_shape=list(chunking.chunk_shape), shard_shape=list(chunking.shard_shape),
-            nbytes=values.nbytes, compressor="none",
-        )  # fmt: skip
+        ref = _stored(shape, dtype, chunking)
         tensor: Any = _MemoryTensor(values)
         fragments = [SourceFragment(tensor, 0, 0, values.size)]
-        for unit in _units(0, ref, ArraySource(shape, dtype, fragments)):
+        for unit in _units(0, ref, fragments):
             _, encoded = encode_shard(ref, unit)
             path = tmp_path / f"{trial}"
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
@@ -167,10 +178,7 @@ def test_larger_box_shards_equal_zarr_writes(
 
     values = (np.arange(prod(shape), dtype=np.int64) * 7919 % 65521).astype("<f4")
     shard = (shard_rows, shape[1] + (-shape[1]) % chunk[1])
-    ref = ArrayRef(
-        path="a", dtype="float32", shape=list(shape), chunk_shape=list(chunk),
-        shard_shape=list(shard), nbytes=values.nbytes, compressor="none",
-    )  # fmt: skip
+    ref = StoredArray("a", "float32", shape, chunk, shard)
     tensor: Any = (
         MemoryTensor(values.view(np.uint8), "float32", 0) if live else _MemoryTensor(values)
     )
@@ -178,7 +186,7 @@ def test_larger_box_shards_equal_zarr_writes(
     fragments = [SourceFragment(tensor, a, a, b - a) for a, b in itertools.pairwise(split)]
     store = MemoryStore()
     array = create_array(store, ref)
-    units = _units(0, ref, ArraySource(shape, "float32", fragments))
+    units = list(_units(0, ref, fragments))
     assert units
     for number, unit in enumerate(units):
         coords, encoded = encode_shard(ref, unit)

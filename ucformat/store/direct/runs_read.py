@@ -33,7 +33,7 @@ import numpy as np
 from zarr.abc.store import Store
 
 from ucformat.format.dtypes import itemsize
-from ucformat.format.models import ArrayRef
+from ucformat.format.stacks import StoredArray
 from ucformat.layout.chunking import is_flat_chunking
 from ucformat.layout.ranges import Box, box_rect, flat_range_to_boxes, intersect_boxes
 from ucformat.layout.shards import CRC_BYTES, ChunkSlot, ShardLayout, shard_layout
@@ -59,7 +59,7 @@ FlatRun = tuple[int, int, int]
 
 
 def read_runs(
-    store: Store, ref: ArrayRef, shard_key: ShardKey, runs: Sequence[FlatRun], out: np.ndarray
+    store: Store, ref: StoredArray, shard_key: ShardKey, runs: Sequence[FlatRun], out: np.ndarray
 ) -> DirectRead:
     """Fill ``out`` (1-D, contiguous, storage dtype) with the flat ``runs`` of ``ref``.
 
@@ -98,7 +98,7 @@ def read_runs(
 
 
 def check_runs(
-    store: Store, ref: ArrayRef, shard_key: ShardKey, runs: Sequence[tuple[int, int]]
+    store: Store, ref: StoredArray, shard_key: ShardKey, runs: Sequence[tuple[int, int]]
 ) -> DirectRead:
     """Whether every chunk holding the flat ``runs`` is present and passes its crc32c, checked
     in place through a read-only map of each (local) shard file; nothing is copied or counted.
@@ -203,7 +203,7 @@ def _layout(
 
 
 def _shards(
-    store: Store, ref: ArrayRef, shard_key: ShardKey, pieces: Sequence[_Piece]
+    store: Store, ref: StoredArray, shard_key: ShardKey, pieces: Sequence[_Piece]
 ) -> Iterator[_Shard | DirectRead]:
     """Each shard holding part of a piece, in grid order, with its wanted chunks in runs
     stored back to back; a last ``NOT_APPLICABLE`` or ``CORRUPT`` where an index does not

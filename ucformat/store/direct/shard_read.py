@@ -46,7 +46,7 @@ from zarr.abc.store import Store
 
 from ucformat.errors import CorruptDataError
 from ucformat.format.dtypes import itemsize
-from ucformat.format.models import ArrayRef
+from ucformat.format.stacks import StoredArray
 from ucformat.layout.chunking import is_flat_chunking
 from ucformat.layout.shards import (
     ABSENT,
@@ -119,7 +119,7 @@ def _corrupt(problem: str) -> DirectRead:
 
 
 def read_flat_range(
-    store: Store, ref: ArrayRef, shard_key: ShardKey, start: int, stop: int, out: np.ndarray
+    store: Store, ref: StoredArray, shard_key: ShardKey, start: int, stop: int, out: np.ndarray
 ) -> DirectRead:
     """Fill ``out`` (1-D, contiguous, storage dtype) with flat elements ``[start, stop)``.
 
@@ -144,7 +144,7 @@ def read_flat_range(
 
 
 def check_flat_range(
-    store: Store, ref: ArrayRef, shard_key: ShardKey, start: int, stop: int
+    store: Store, ref: StoredArray, shard_key: ShardKey, start: int, stop: int
 ) -> DirectRead:
     """Whether every chunk holding flat elements ``[start, stop)`` is present and passes its
     crc32c, checked in place through a read-only memory map of each (local) shard file.
@@ -285,7 +285,7 @@ def _check_run(fd: int, shard: CheckedShard, chunks: Sequence[tuple[Any, ...]]) 
 
 
 def _shard_runs(
-    store: Store, ref: ArrayRef, shard_key: ShardKey, start: int, stop: int
+    store: Store, ref: StoredArray, shard_key: ShardKey, start: int, stop: int
 ) -> Iterator[_Shard | DirectRead]:
     """Each shard holding part of ``[start, stop)``, in order; a last ``NOT_APPLICABLE`` or
     ``CORRUPT`` where the array's layout or a shard's index does not allow a direct read."""
