@@ -8,11 +8,14 @@ no (read through a staging buffer) for layouts it does not handle.
 
 from __future__ import annotations
 
+import re
+from math import prod
 from pathlib import Path
 
 import pytest
 
 import ucformat
+from tests.helpers import shard_key
 from ucformat.errors import ChunkMissingError, CorruptDataError
 from ucformat.format.models import ArrayRef
 from ucformat.layout.grid import chunk_flat_range
@@ -48,7 +51,7 @@ def test_a_good_store_checks_out_for_any_range(tmp_path: Path) -> None:
 def test_a_flipped_byte_fails_exactly_the_ranges_that_hold_it(tmp_path: Path) -> None:
     store = _convert(tmp_path)
     _, ref = _biggest(store)
-    shard = store / ref.path / "c" / "1" / "0"  # the second shard of a 2-d array
+    shard = store / shard_key(ref, (1, 0))  # the second shard of a 2-d array
     data = bytearray(shard.read_bytes())
     data[5] ^= 0x01  # inside the shard's first chunk
     shard.write_bytes(bytes(data))
@@ -58,11 +61,15 @@ def test_a_flipped_byte_fails_exactly_the_ranges_that_hold_it(tmp_path: Path) ->
     coords = (ref.shard_shape[0] // ref.chunk_shape[0], 0)  # the shard's first chunk
     start, stop = chunk_flat_range(ref.shape, ref.chunk_shape, coords)
     assert (start, stop) == (first_chunk, first_chunk + chunk_elements)
-    where = f"chunk {coords} (elements [{start}, {stop}))"
+    assert ref.stack is not None  # named in its stack: (index, *coords), flat from its offset
+    offset = ref.stack.index * prod(ref.shape)
+    where = f"chunk {(ref.stack.index, *coords)} (elements [{offset + start}, {offset + stop}))"
     for low, high in [(first_chunk, first_chunk + 1), (0, first_chunk + chunk_elements)]:
         with pytest.raises(CorruptDataError) as caught:
             ckpt.check_range(ref, low, high)
-        assert str(caught.value).startswith(f"{ref.path}: {where} fails its crc32c checksum")
+        assert str(caught.value).startswith(
+            f"{ckpt.describe(ref)}: {where} fails its crc32c checksum"
+        )
     assert ckpt.check_range(ref, 0, first_chunk)  # the first shard is intact
     assert ckpt.check_range(ref, first_chunk + chunk_elements, first_chunk + 2 * chunk_elements)
 
@@ -70,8 +77,9 @@ def test_a_flipped_byte_fails_exactly_the_ranges_that_hold_it(tmp_path: Path) ->
 def test_a_missing_shard_is_named(tmp_path: Path) -> None:
     store = _convert(tmp_path)
     _, ref = _biggest(store)
-    (store / ref.path / "c" / "0" / "0").unlink()
-    with pytest.raises(ChunkMissingError, match=f"{ref.path}/c/0/0: this chunk object is missing"):
+    key = shard_key(ref, (0, 0))
+    (store / key).unlink()
+    with pytest.raises(ChunkMissingError, match=f"{key}: this chunk object is missing"):
         ucformat.open(store).check_range(ref, 0, 1)
 
 
@@ -79,10 +87,13 @@ def test_a_missing_shard_is_named(tmp_path: Path) -> None:
 def test_a_short_shard_fails(tmp_path: Path, keep: int) -> None:
     store = _convert(tmp_path)
     _, ref = _biggest(store)
-    shard = store / ref.path / "c" / "0" / "0"
+    key = shard_key(ref, (0, 0))
+    shard = store / key
     shard.write_bytes(shard.read_bytes()[:keep])
-    with pytest.raises(CorruptDataError, match=f"^{ref.path}: .*shard object '{ref.path}/c/0/0'"):
-        ucformat.open(store).check_range(ref, 0, 1)
+    ckpt = ucformat.open(store)
+    label = re.escape(ckpt.describe(ref))
+    with pytest.raises(CorruptDataError, match=f"^{label}: .*shard object '{key}'"):
+        ckpt.check_range(ref, 0, 1)
 
 
 def test_compressed_stores_are_never_read_in_place(tmp_path: Path) -> None:

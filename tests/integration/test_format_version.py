@@ -1,9 +1,11 @@
-"""The version a store says follows its layout (docs/format.md §5, §5.3).
+"""The version a store says follows its layout (docs/format.md §5, §5.3, §5.4).
 
-Format 3.0 only adds box chunks to 2.1. Converted from real DeepSpeed checkpoints: the grid's
-``wide`` model (matrices of 2 and 4 MiB, box-chunked by default) makes a 3.0 store; the same
-checkpoint with ``tp_max=1`` and the small ``simple`` model (flat chunks only) make 2.1 stores,
-which format-2 readers read. A 2.1 manifest over box chunks is reported by ``verify``.
+This writer stacks every array (format 3.1), whatever its chunks: converted from real DeepSpeed
+checkpoints, the grid's ``wide`` model (matrices of 2 and 4 MiB, box-chunked by default), the
+same with ``tp_max=1`` and the small ``simple`` model all make 3.1 stores. Older layouts keep the
+rules their versions had: a format-3.0 store (the golden store of box chunks) restamped 2.1 is
+reported by ``verify`` for its box chunks, and a 3.1 store restamped 3.0 is refused for its
+stacks (readers of 3.0 know no stacks).
 """
 
 from __future__ import annotations
@@ -15,13 +17,14 @@ from pathlib import Path
 import pytest
 
 import ucformat
+from tests.conformance.make_golden import GOLDEN
 from tests.integration.test_forward_compat import redigest
+from ucformat.errors import ManifestError
 from ucformat.layout.chunking import is_flat_chunking
-
-pytestmark = pytest.mark.deepspeed
 
 WIDE = "z1-fp32-dsadam-wide-ws2"
 SIMPLE = "z1-fp32-dsadam-simple-ws2"
+BOXES_3_0 = "v3.0-z2-fp32-dsadam-ftb-box"  # a golden store of the format-3.0 writer
 
 
 def _versions(store: Path) -> tuple[str, str]:
@@ -32,49 +35,56 @@ def _versions(store: Path) -> tuple[str, str]:
 
 def _box_arrays(store: Path) -> list[str]:
     manifest = ucformat.open(store).manifest
-    refs = [ref for entry in manifest.params.values() for ref in entry.states.values()]
-    refs += [entry.array for entry in manifest.buffers.values()]
-    return [ref.path for ref in refs if not is_flat_chunking(ref.shape, ref.chunk_shape)]
+    return [
+        name for name, ref in manifest.arrays() if not is_flat_chunking(ref.shape, ref.chunk_shape)
+    ]
 
 
-@pytest.fixture(scope="module")
-def wide_store(ds_grid: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("version") / "wide.ucf"
-    ucformat.convert(ds_grid / WIDE / "ckpt", out)
+def _restamp(store: Path, out: Path, version: str) -> Path:
+    shutil.copytree(store, out)
+    document = json.loads((out / "ucformat.json").read_text())
+    document["format_version"] = version
+    redigest(document)
+    (out / "ucformat.json").write_text(json.dumps(document))
+    root = json.loads((out / "zarr.json").read_text())
+    root["attributes"]["ucformat"]["format_version"] = version
+    (out / "zarr.json").write_text(json.dumps(root))
     return out
 
 
-def test_box_chunks_make_a_format_3_store(wide_store: Path) -> None:
-    assert _box_arrays(wide_store), "the wide model's matrices should get box chunks"
-    assert _versions(wide_store) == ("3.0", "3.0")
-    assert ucformat.verify(wide_store).ok
+@pytest.mark.deepspeed
+def test_every_store_is_stacked_format_3_1(ds_grid: Path, tmp_path: Path) -> None:
+    wide = tmp_path / "wide.ucf"
+    ucformat.convert(ds_grid / WIDE / "ckpt", wide)
+    assert _box_arrays(wide), "the wide model's matrices should get box chunks"
+    flat = tmp_path / "flat.ucf"
+    ucformat.convert(ds_grid / WIDE / "ckpt", flat, tp_max=1)
+    assert not _box_arrays(flat)
+    simple = tmp_path / "simple.ucf"
+    ucformat.convert(ds_grid / SIMPLE / "ckpt", simple)
+    for store in (wide, flat, simple):
+        assert _versions(store) == ("3.1", "3.1")
+        assert all(ref.stack is not None for _, ref in ucformat.open(store).manifest.arrays())
+    assert ucformat.verify(wide).ok
 
 
-def test_flat_chunks_make_a_format_2_1_store(ds_grid: Path, tmp_path: Path) -> None:
-    flat = ucformat.convert(ds_grid / WIDE / "ckpt", tmp_path / "flat.ucf", tp_max=1)
-    assert flat.format_version == "2.1"
-    assert not _box_arrays(tmp_path / "flat.ucf")
-    assert _versions(tmp_path / "flat.ucf") == ("2.1", "2.1")
-    ucformat.convert(ds_grid / SIMPLE / "ckpt", tmp_path / "simple.ucf")
-    assert _versions(tmp_path / "simple.ucf") == ("2.1", "2.1")
-
-
-def test_a_format_2_manifest_over_box_chunks_is_reported(wide_store: Path, tmp_path: Path) -> None:
-    forged = tmp_path / "forged.ucf"
-    shutil.copytree(wide_store, forged)
-    document = json.loads((forged / "ucformat.json").read_text())
-    document["format_version"] = "2.1"
-    redigest(document)
-    (forged / "ucformat.json").write_text(json.dumps(document))
-    root = json.loads((forged / "zarr.json").read_text())
-    root["attributes"]["ucformat"]["format_version"] = "2.1"
-    (forged / "zarr.json").write_text(json.dumps(root))
+def test_a_format_2_manifest_over_box_chunks_is_reported(tmp_path: Path) -> None:
+    forged = _restamp(GOLDEN / BOXES_3_0, tmp_path / "forged.ucf", "2.1")
     report = ucformat.verify(forged)
     messages = [problem.message for problem in report.problems]
     boxes = [m for m in messages if "is a box, which format 2.1 does not allow" in m]
-    assert len(boxes) == len(_box_arrays(wide_store)), messages
+    assert len(boxes) == len(_box_arrays(GOLDEN / BOXES_3_0)) > 0, messages
     others = [m for m in messages if m not in boxes]
     assert others == [
         "arrays not checked: the manifest cannot be trusted (pass keep_going=True, or "
         "--keep-going, to check them anyway)"
     ], others
+
+
+def test_a_format_3_0_manifest_over_stacks_is_refused(tmp_path: Path) -> None:
+    forged = _restamp(GOLDEN / "v3.1-z1-fp16-tadam-ftb", tmp_path / "forged.ucf", "3.0")
+    with pytest.raises(ManifestError, match="is stacked, which format 3.0 does not allow"):
+        ucformat.open(forged)
+    report = ucformat.verify(forged)
+    assert [p.kind for p in report.problems] == ["manifest"]
+    assert "stacks are format 3.1" in report.problems[0].message

@@ -28,6 +28,7 @@ from ucformat.errors import ManifestError
 
 CURRENT = "z1-fp16-tadam-ftb"  # a golden store of format 2.0 (restamped per test)
 LEGACY = "v1.0-z1-fp16-tadam-ftb"  # format 1.0, written by ucformat 0.1.0
+STACKED = "v3.1-z1-fp16-tadam-ftb"  # format 3.1 (stacks), written by this ucformat
 SOURCE_CASE = "z1-fp16-tadam-ftb-ws2"  # the DeepSpeed checkpoint both were converted from
 
 
@@ -50,6 +51,8 @@ def add_unknown_members(document: dict[str, Any]) -> None:
         entry["future_param"] = {"hint": True}
         for ref in entry["states"].values():
             ref["future_array"] = 1e-8
+            if "stack" in ref:
+                ref["stack"]["future_slot"] = "z"
         for scalar in entry["scalars"].values():
             scalar["future_scalar"] = None
     for buffer in document["buffers"].values():
@@ -104,7 +107,9 @@ def loaded_state(store: Path) -> dict[str, Any]:
     return {"model": model.state_dict(), "optimizer": optimizer.state_dict()["state"]}
 
 
-@pytest.mark.parametrize(("name", "version"), [(CURRENT, "2.9"), (LEGACY, "1.7")])
+@pytest.mark.parametrize(
+    ("name", "version"), [(CURRENT, "2.9"), (LEGACY, "1.7"), (STACKED, "3.9")]
+)
 def test_future_minor_reads_like_the_original(name: str, version: str, tmp_path: Path) -> None:
     future = future_store(name, version, tmp_path)
     original = GOLDEN / name
@@ -152,13 +157,13 @@ def test_future_minor_verifies_against_its_source(ds_grid: Path, tmp_path: Path)
     this machine regenerates the golden's source bit for bit, else the same differences; a
     future store of a fresh convert of the regenerated source passes."""
     source = ds_grid / SOURCE_CASE / "ckpt"
-    for name, version in ((CURRENT, "2.9"), (LEGACY, "1.7")):
+    for name, version in ((CURRENT, "2.9"), (LEGACY, "1.7"), (STACKED, "3.9")):
         future = ucformat.verify(future_store(name, version, tmp_path), against=source)
         original = ucformat.verify(GOLDEN / name, against=source)
         assert _problems(future) == _problems(original), name
         assert future.arrays == original.arrays > 0
-    ucformat.convert(source, tmp_path / "fresh.ucf")
-    fresh = future_store("fresh", "2.9", tmp_path, tmp_path / "fresh.ucf")
+    ucformat.convert(source, tmp_path / "fresh.ucf")  # format 3.1: a future 3.9
+    fresh = future_store("fresh", "3.9", tmp_path, tmp_path / "fresh.ucf")
     report = ucformat.verify(fresh, against=source)
     assert report.ok, report.problems
 
@@ -174,10 +179,12 @@ def test_unknown_members_are_digested(tmp_path: Path) -> None:
 
 
 def test_unknown_members_of_the_current_version_are_refused(tmp_path: Path) -> None:
-    """Only a newer minor may hold members this reader does not know: in 2.1 they are errors."""
-    future = future_store(CURRENT, "2.1", tmp_path)
-    with pytest.raises(ManifestError, match="future_file': Extra inputs are not permitted"):
-        ucformat.open(future)
+    """Only a newer minor may hold members this reader does not know: in 2.1 and in 3.1 (the
+    newest minors it knows) they are errors."""
+    for name, version in ((CURRENT, "2.1"), (STACKED, "3.1")):
+        future = future_store(name, version, tmp_path)
+        with pytest.raises(ManifestError, match="future_file': Extra inputs are not permitted"):
+            ucformat.open(future)
 
 
 @pytest.mark.parametrize("version", ["4.0", "10.2"])
@@ -191,22 +198,22 @@ def test_newer_major_is_refused_in_one_line(version: str, tmp_path: Path) -> Non
 
 @pytest.mark.deepspeed
 def test_future_minor_loads_into_deepspeed(ds_grid: Path, tmp_path: Path) -> None:
-    """``ucformat.deepspeed.load`` of the future stores into fresh engines (2.9 at ZeRO-3, 1.7 at
-    ZeRO-1): the loaded state equals the engine's dump at save time, and training on continues
-    exactly (the load worker of the grid tests checks both; one torchrun launch)."""
+    """``ucformat.deepspeed.load`` of the future stores into fresh engines (2.9 or 3.9 at
+    ZeRO-3, 1.7 at ZeRO-1): the loaded state equals the engine's dump at save time, and training
+    on continues exactly (the load worker of the grid tests checks both; one torchrun launch)."""
     from tests.fixtures.load_cases import LoadCase
     from tests.fixtures.make_fixtures import launch_jobs
     from tests.fixtures.run_loads import LOAD_WORKER
 
     source = ds_grid / SOURCE_CASE / "ckpt"
     # the truth is the regenerated run's: where this machine does not regenerate the golden
-    # stores' source bit for bit (_reproduces), the 2.9 store is a fresh convert's and the
-    # 1.7 store (no writer of format 1 is left) is not loaded
-    current = GOLDEN / CURRENT
+    # stores' source bit for bit (_reproduces), the future store is a fresh convert's (format
+    # 3.1 made 3.9) and the 1.7 store (no writer of format 1 is left) is not loaded
+    current, version = GOLDEN / CURRENT, "2.9"
     if not _reproduces(CURRENT, source):
-        current = tmp_path / "fresh.ucf"
+        current, version = tmp_path / "fresh.ucf", "3.9"
         ucformat.convert(source, current)
-    stores = [(future_store(CURRENT, "2.9", tmp_path, current), 3)]
+    stores = [(future_store(CURRENT, version, tmp_path, current), 3)]
     legacy = _reproduces(LEGACY, source)
     if legacy:
         stores.append((future_store(LEGACY, "1.7", tmp_path), 1))

@@ -124,7 +124,17 @@ def test_huge_manifest(store: Path) -> None:
             lambda d: next(iter(_first_param(d)["states"].values())).update(
                 path="../elsewhere/fp32"
             ),
-            "not its own array",
+            "which is no stack path",
+        ),
+        (
+            lambda d: next(iter(_first_param(d)["states"].values()))["stack"].update(
+                index=10**9
+            ),
+            "is not below the stack size",
+        ),
+        (
+            lambda d: [s["stack"].update(size=10**9) for s in _first_param(d)["states"].values()],
+            "holds 1000000000 arrays but the manifest names",
         ),
         (lambda d: d["source"].update(tag="../../../../tag-escape"), "holds '/'"),
         (lambda d: d["source"].update(tag=".."), "is not a file name"),
@@ -142,6 +152,8 @@ def test_huge_manifest(store: Path) -> None:
         "chunk-0",
         "state-name",
         "array-path",
+        "stack-index",
+        "stack-size",
         "tag-escape",
         "tag-dotdot",
         "alias",
@@ -186,7 +198,8 @@ def _hostile_index(store: Path) -> Path:
         for array in entry["states"].values()
         if len(array["shape"]) == 2 and array["shard_shape"] != array["chunk_shape"]
     )
-    shard = store / ref["path"] / "c" / "0" / "0"
+    stack = ref["stack"]  # the first shard of its own (format 3.1: in its stack)
+    shard = store / ref["path"] / f"c.{stack['index'] // stack['per_shard']}.0.0"
     data = bytearray(shard.read_bytes())
     # the index ends the object: (offset, nbytes) uint64 pairs, then its crc32c
     chunks = int(
@@ -207,12 +220,15 @@ def test_hostile_shard_index(store: Path) -> None:
     key = shard.relative_to(store).as_posix()
     verified = _timed("verify", store)
     assert verified.exit_code == 1, verified.output
-    assert key.rpartition("/c/")[0] in verified.stdout
+    path = key.rpartition("/")[0]
+    assert path in verified.stdout
     ckpt = ucformat.open(store)
-    path = key.rpartition("/c/")[0]
-    name, state = path.removeprefix("params/").rsplit("/", 1)
+    index = int(key.rpartition("/c.")[2].split(".")[0])
+    name, ref = next((n, r) for n, r in ckpt.manifest.arrays() if r.path == path and r.stack
+                     and r.stack.index == index)  # fmt: skip
+    fqn, state = name.removeprefix("params/").rsplit("/", 1)
     with pytest.raises((CorruptDataError, UCFormatError)):
-        ckpt.read(name, state)
+        ckpt.read(fqn, state)
     result = _timed("export", "safetensors", store, store.parent / "out", "-q")
     assert_user_error(result)
 
