@@ -60,7 +60,7 @@ def test_everything_is_fsynced_around_the_commit(
     }
     folders = {str(store / p.relative_to(final)) for p in final.rglob("*") if p.is_dir()}
     folders |= {str(store)}
-    assert len(files) > 50
+    assert len(files) > 25
     assert files <= before, sorted(files - before)[:5]
     assert folders <= before, sorted(folders - before)[:5]
     partial = [path for kind, path in events[:commit] if kind == "fsync" and ".partial" in path]
@@ -121,7 +121,7 @@ def test_spread_write_syncs_each_object_once_before_agreeing(
         if p.is_file() and p.name != "ucformat.json"
     }
     folders = {str(store / p.relative_to(final)) for p in final.rglob("*") if p.is_dir()}
-    assert len(files) > 50
+    assert len(files) > 25
     assert files | folders | {str(store)} == set(before), "every object and directory, only them"
     assert len(before) == len(set(before)), "each once"
     after = [path for kind, path in events[commit + 1 : swap] if kind == "fsync"]
@@ -146,7 +146,7 @@ def test_live_save_fsync_off_syncs_nothing(tmp_path: Path, monkeypatch: pytest.M
     assert not [event for event in events if event[0] == "fsync"]
     uctorch.save(model, optimizer, tmp_path / "on.ucf")
     synced = [path for kind, path in events if kind == "fsync"]
-    assert any(path.endswith("/c/0/0") for path in synced), synced  # the default syncs shards
+    assert any("/c." in path for path in synced), synced  # the default syncs shards
     assert ucformat.verify(tmp_path / "off.ucf").ok
     copy = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.Linear(32, 4))
     uctorch.load(copy, None, tmp_path / "off.ucf")
