@@ -206,9 +206,10 @@ def convert_command(
         )
     plan = planned[0]
     shards = len(plan.units)
+    arrays = len(manifest.arrays())  # the logical arrays (format 3.1 stacks them)
     what = "would write" if dry_run else "wrote"
     typer.echo(
-        f"{what} {len(plan.arrays)} arrays ({shards} shards, {format_bytes(plan.nbytes)}) for "
+        f"{what} {arrays} arrays ({shards} shards, {format_bytes(plan.nbytes)}) for "
         f"{len(manifest.params)} params from {_origin(manifest)} to {dst} in "
         f"{time.perf_counter() - started:.2f}s"
     )

@@ -105,3 +105,34 @@ def read_cost(ref: ArrayRef, ranges: list[tuple[int, int]], *, runs: bool = Fals
     moved = [(offset + a, offset + b) for a, b in ranges]
     cost = runs_read_cost if runs else range_read_cost
     return cost(stored.shape, stored.chunk_shape, stored.shard_shape, itemsize(ref.dtype), moved)
+
+
+def chunk_place(ref: ArrayRef, coords: tuple[int, ...]) -> tuple[str, int, int]:
+    """The key of the shard object holding chunk ``coords`` (in the logical array's own chunk
+    grid) of ``ref``, the chunk's entry in that shard's index, and the index's entries."""
+    import math
+
+    from ucformat.format.stacks import placement
+
+    stored, _ = placement(ref)
+    where = coords if ref.stack is None else (ref.stack.index, *coords)
+    per_shard = [s // c for s, c in zip(stored.shard_shape, stored.chunk_shape, strict=True)]
+    shard = tuple(c // p for c, p in zip(where, per_shard, strict=True))
+    local = tuple(c % p for c, p in zip(where, per_shard, strict=True))
+    entry = int(np.ravel_multi_index(local, per_shard)) if per_shard else 0
+    return stored.shard_key(shard), entry, math.prod(per_shard)
+
+
+def chunk_offset(data: bytes, entry: int, entries: int) -> int:
+    """Where the chunk at index ``entry`` lies in the shard object ``data``, whose index of
+    ``entries`` ``(offset, nbytes)`` uint64 pairs and a crc32c ends it."""
+    index = np.frombuffer(data[-(16 * entries + 4) : -4], dtype="<u8")
+    return int(index[2 * entry])
+
+
+def chunk_in_object(root: Any, ref: ArrayRef, coords: tuple[int, ...]) -> tuple[Any, int]:
+    """The file of a local store ``root`` holding chunk ``coords`` of ``ref`` and the byte
+    offset of that chunk's data in it."""
+    key, entry, entries = chunk_place(ref, coords)
+    path = root / key
+    return path, chunk_offset(path.read_bytes(), entry, entries)

@@ -22,6 +22,7 @@ from zarr.storage import LocalStore
 
 import ucformat
 from tests.cli.helpers import assert_user_error, heavy_imports, invoke
+from tests.helpers import chunk_in_object, shard_key
 from tests.hostile import (
     ATTACK_NAMES,
     EXPECTED_GLOBAL,
@@ -164,7 +165,8 @@ def test_verify_ok(store: Path) -> None:
     result = invoke("verify", store)
     assert result.exit_code == 0, result.stdout + result.stderr
     lines = result.stdout.splitlines()
-    assert len(lines) == 1 and lines[0].startswith(f"ok: {store}: 20 arrays, 20 shards, ")
+    shards = _shard_count(store)
+    assert len(lines) == 1 and lines[0].startswith(f"ok: {store}: 20 arrays, {shards} shards, ")
     assert result.stderr == ""
 
 
@@ -190,22 +192,35 @@ def _flip_byte(path: Path, position: int = 3) -> None:
     path.write_bytes(bytes(data))
 
 
+def _shard_count(store: Path) -> int:
+    """Shard objects of a store (format 3.1: of its stacks)."""
+    return sum(1 for p in store.rglob("c.*") if p.is_file())
+
+
 def test_verify_names_each_bad_chunk_and_exits_1(store: Path, tmp_path: Path) -> None:
     path = copy_store(store, tmp_path)
-    _flip_byte(path / "params/emb.weight/exp_avg/c/0/0")
-    (path / "params/up.bias/fp32/c/0").unlink()
+    manifest = ucformat.open(store).manifest
+    exp_avg = manifest.params["emb.weight"].states["exp_avg"]
+    bias = manifest.params["up.bias"].states["fp32"]
+    assert exp_avg.stack is not None and bias.stack is not None
+    _flip_byte(*chunk_in_object(path, exp_avg, (0, 0)))
+    (path / shard_key(bias, (0,))).unlink()
     result = invoke("verify", path)
     assert result.exit_code == 1
     lines = result.stdout.splitlines()
+    first = exp_avg.stack.index * 16 * 8  # emb.weight is (16, 8), its first chunk 128 elements
     assert lines[0] == (
-        "params/emb.weight/exp_avg: chunk (0, 0) (elements [0, 128)) fails its crc32c checksum"
+        f"{exp_avg.path}: chunk ({exp_avg.stack.index}, 0, 0) (elements [{first}, "
+        f"{first + 128})) of params/emb.weight/exp_avg fails its crc32c checksum"
     )
-    assert lines[1].startswith("params/up.bias/fp32: shard object 'params/up.bias/fp32/c/0' is ")
+    missing = f"{bias.path}: shard object '{shard_key(bias, (0,))}' is missing: "
+    assert lines[1].startswith(missing) and "params/up.bias/fp32" in lines[1]
     assert lines[2].startswith(f"FAILED: {path}: 2 problem(s); 20 arrays, ")
     report = json.loads(invoke("verify", path, "--json").stdout)
+    per_shard = bias.stack.per_shard
     assert [(p["kind"], p["path"], p["chunk"]) for p in report["problems"]] == [
-        ("checksum", "params/emb.weight/exp_avg", [0, 0]),
-        ("missing", "params/up.bias/fp32", [0]),
+        ("checksum", exp_avg.path, [exp_avg.stack.index, 0, 0]),
+        ("missing", bias.path, [bias.stack.index // per_shard, 0]),
     ]
 
 
@@ -506,7 +521,9 @@ def test_exit_codes_of_the_installed_command(store: Path, tmp_path: Path) -> Non
     assert (missing.returncode, missing.stdout) == (2, "")
     assert missing.stderr.splitlines() == [f"error: {tmp_path / 'nope.ucf'}: no such store."]
     path = copy_store(store, tmp_path)
-    _flip_byte(path / "params/emb.weight/fp32/c/0/0")
+    _flip_byte(
+        path / shard_key(ucformat.open(store).manifest.params["emb.weight"].states["fp32"], (0, 0))
+    )
     damaged = run("verify", path)
     assert damaged.returncode == 1 and damaged.stderr == ""
     assert damaged.stdout.splitlines()[-1].startswith("FAILED: ")

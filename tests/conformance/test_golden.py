@@ -4,8 +4,9 @@ tensorstore is an independent zarr v3 implementation (C++): reading every array 
 store through it, with nothing but the store path (and, for a format-3.1 stack, the index the
 manifest gives), checks that the stores are plain zarr v3 as docs/format.md §2 promises
 (sharding codec, crc32c, default key encoding with '/' or, for stacks, '.', little-endian,
-bfloat16 as uint16 bit patterns); zarr-python opens the format-3.1 stores as a hierarchy. The digest is recomputed with ``rfc8785``, another independent
-implementation, from the manifest bytes alone (§3.7). Expected values come from the DeepSpeed
+bfloat16 as uint16 bit patterns); zarr-python opens the format-3.1 stores as a hierarchy.
+The digest is recomputed with ``rfc8785``, another independent implementation, from the
+manifest bytes alone (§3.7). Expected values come from the DeepSpeed
 engine's own dump (see make_golden.py), never from the stores.
 """
 

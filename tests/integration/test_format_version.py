@@ -83,7 +83,7 @@ def test_a_format_2_manifest_over_box_chunks_is_reported(tmp_path: Path) -> None
 
 def test_a_format_3_0_manifest_over_stacks_is_refused(tmp_path: Path) -> None:
     forged = _restamp(GOLDEN / "v3.1-z1-fp16-tadam-ftb", tmp_path / "forged.ucf", "3.0")
-    with pytest.raises(ManifestError, match="is stacked, which format 3.0 does not allow"):
+    with pytest.raises(ManifestError, match=r"is stacked, which format 3\.0 does not allow"):
         ucformat.open(forged)
     report = ucformat.verify(forged)
     assert [p.kind for p in report.problems] == ["manifest"]

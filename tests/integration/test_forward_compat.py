@@ -107,9 +107,7 @@ def loaded_state(store: Path) -> dict[str, Any]:
     return {"model": model.state_dict(), "optimizer": optimizer.state_dict()["state"]}
 
 
-@pytest.mark.parametrize(
-    ("name", "version"), [(CURRENT, "2.9"), (LEGACY, "1.7"), (STACKED, "3.9")]
-)
+@pytest.mark.parametrize(("name", "version"), [(CURRENT, "2.9"), (LEGACY, "1.7"), (STACKED, "3.9")])
 def test_future_minor_reads_like_the_original(name: str, version: str, tmp_path: Path) -> None:
     future = future_store(name, version, tmp_path)
     original = GOLDEN / name

@@ -127,9 +127,7 @@ def test_huge_manifest(store: Path) -> None:
             "which is no stack path",
         ),
         (
-            lambda d: next(iter(_first_param(d)["states"].values()))["stack"].update(
-                index=10**9
-            ),
+            lambda d: next(iter(_first_param(d)["states"].values()))["stack"].update(index=10**9),
             "is not below the stack size",
         ),
         (
@@ -224,8 +222,8 @@ def test_hostile_shard_index(store: Path) -> None:
     assert path in verified.stdout
     ckpt = ucformat.open(store)
     index = int(key.rpartition("/c.")[2].split(".")[0])
-    name, ref = next((n, r) for n, r in ckpt.manifest.arrays() if r.path == path and r.stack
-                     and r.stack.index == index)  # fmt: skip
+    name = next(n for n, r in ckpt.manifest.arrays() if r.path == path and r.stack
+                and r.stack.index == index)  # fmt: skip
     fqn, state = name.removeprefix("params/").rsplit("/", 1)
     with pytest.raises((CorruptDataError, UCFormatError)):
         ckpt.read(fqn, state)

@@ -22,13 +22,12 @@ import ucformat
 import ucformat.torch as uctorch
 from tests.cli.helpers import assert_user_error, invoke
 from tests.conftest import S3_BUCKET
+from tests.helpers import chunk_offset, chunk_place, read_cost
 from tests.integration.test_export_torch import check_plain_torch_load, fresh
 from tests.s3server import Request, S3Server
 from tests.truth import load_truth
 from ucformat.errors import IncompleteStoreError, StoreWriteError
-from ucformat.format.dtypes import itemsize
 from ucformat.format.spec import MANIFEST_KEY
-from ucformat.layout.reads import range_read_cost
 
 DATA = Path(__file__).resolve().parents[1] / "fixtures" / "data"
 #: ZeRO-2 at 3 ranks with frozen params, a tied alias and buffers (0-d included).
@@ -84,7 +83,7 @@ def test_convert_to_s3_writes_the_local_objects(s3: S3Server, stores: tuple[Path
     remote = objects(s3, "conv/store.ucf")
     here = files(local)
     assert sorted(remote) == sorted(here)
-    assert len([k for k in here if "/c/" in k]) > 20  # many shard objects
+    assert len([k for k in here if "/c." in k]) > 20  # many shard objects
     for key in here:
         if key != MANIFEST_KEY:
             assert remote[key] == here[key], key
@@ -120,9 +119,7 @@ def test_open_read_is_bit_exact_and_requests_are_counted_on_the_server(
     got = ckpt.read_range(name, "exp_avg", start, stop)
     requests: list[Request] = [r for r in s3.recorded() if r.method == "GET"]
     assert torch.equal(got, here.read_range(name, "exp_avg", start, stop))
-    cost = range_read_cost(
-        ref.shape, ref.chunk_shape, ref.shard_shape, itemsize(ref.dtype), [(start, stop)]
-    )
+    cost = read_cost(ref, [(start, stop)])
     assert cost.shards > 2 and cost.data_requests == cost.shards
     assert ckpt.stats.requests - before[0] == cost.requests == len(requests)
     assert ckpt.stats.bytes_read - before[1] == cost.total
@@ -132,7 +129,7 @@ def test_open_read_is_bit_exact_and_requests_are_counted_on_the_server(
     assert {r.range for r in suffixes} == {f"bytes=-{cost.index_bytes // cost.shards}"}
     assert len(ranges) == cost.data_requests
     assert sum(r.range_bytes or 0 for r in ranges) == cost.data_bytes
-    assert all(r.key.startswith(f"{S3_BUCKET}/conv/store.ucf/{ref.path}/c/") for r in requests)
+    assert all(r.key.startswith(f"{S3_BUCKET}/conv/store.ucf/{ref.path}/c.") for r in requests)
 
 
 def test_torch_load_from_s3(s3: S3Server, stores: tuple[Path, str]) -> None:
@@ -163,14 +160,17 @@ def test_verify_finds_a_damaged_object_on_s3(s3: S3Server) -> None:
     copy = url("damaged/store.ucf")
     ucformat.convert(SOURCE, copy)
     stored = objects(s3, "damaged/store.ucf")
-    key = next(k for k in sorted(stored) if "/exp_avg/c/" in k)
+    manifest = ucformat.open(copy).manifest
+    name = max(manifest.params, key=lambda n: manifest.params[n].numel)
+    ref = manifest.params[name].states["exp_avg"]
+    key, entry, entries = chunk_place(ref, (0,) * len(ref.shape))  # the array's first chunk
     data = bytearray(stored[key])
-    data[0] ^= 0xFF
+    data[chunk_offset(bytes(data), entry, entries)] ^= 0xFF
     s3.client().put_object(Bucket=S3_BUCKET, Key=f"damaged/store.ucf/{key}", Body=bytes(data))
     report = ucformat.verify(copy)
     assert not report.ok
-    array = key.rpartition("/c/")[0]
-    assert [(p.kind, p.path) for p in report.problems] == [("checksum", array)]
+    assert [(p.kind, p.path) for p in report.problems] == [("checksum", ref.path)]
+    assert f"params/{name}/exp_avg" in report.problems[0].message
 
 
 @pytest.mark.parametrize(
@@ -219,7 +219,7 @@ def test_a_failing_put_mid_convert_is_one_typed_error_and_nothing_commits(
         s3.record()
         ucformat.convert(SOURCE, url(f"fail/reference-{len(options)}.ucf"), workers=1, **options)
         recorded = s3.recorded()
-        return [i for i, r in enumerate(recorded) if r.method == "PUT" and "/c/" in r.key]
+        return [i for i, r in enumerate(recorded) if r.method == "PUT" and "/c." in r.key]
 
     puts = shard_puts(OPTIONS)
     assert len(puts) > 10
@@ -236,7 +236,7 @@ def test_a_failing_put_mid_convert_is_one_typed_error_and_nothing_commits(
 
     written = objects(s3, "fail/api.ucf")
     assert MANIFEST_KEY not in written
-    assert 0 < len([k for k in written if "/c/" in k]) < len(puts)  # it failed mid-write
+    assert 0 < len([k for k in written if "/c." in k]) < len(puts)  # it failed mid-write
     with pytest.raises(IncompleteStoreError):
         ucformat.open(url("fail/api.ucf"))
     assert MANIFEST_KEY not in objects(s3, "fail/cli.ucf")

@@ -128,9 +128,7 @@ def _boxed(ckpt: ucformat.UniversalCheckpoint) -> list[tuple[str, str, ArrayRef]
 def test_box_shards_equal_zarr_writes(tmp_path: Path) -> None:
     ckpt = _write(tmp_path / "s", BOX)
     ours = LocalStore(tmp_path / "s", read_only=True)
-    boxed = sum(
-        not is_flat_chunking(ref.shape, ref.chunk_shape) for _, _, ref in _refs(ckpt)
-    )
+    boxed = sum(not is_flat_chunking(ref.shape, ref.chunk_shape) for _, _, ref in _refs(ckpt))
     stored = {stored_array(ref) for _, _, ref in _refs(ckpt)}
     for array in stored:  # every stack, as zarr writes it
         values = np.asarray(array_from_manifest(ours, array)[...])

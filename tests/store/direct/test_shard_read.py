@@ -57,7 +57,7 @@ def _biggest(path: Path) -> tuple[str, ArrayRef]:
 def _chunk(ref: ArrayRef, coords: tuple[int, ...]) -> tuple[tuple[int, ...], int, int]:
     """Chunk ``coords`` of the logical array ``ref`` as its stack names it: coordinates in the
     stack, and its flat element range there."""
-    stored, offset = placement(ref)
+    offset = placement(ref)[1]
     start, stop = chunk_flat_range(ref.shape, ref.chunk_shape, coords)
     where = coords if ref.stack is None else (ref.stack.index, *coords)
     return where, offset + start, offset + stop
@@ -94,9 +94,7 @@ def _in_memory(path: Path) -> MemoryStore:
 def _direct(ckpt: ucformat.UniversalCheckpoint, ref: ArrayRef, start: int, stop: int) -> DirectRead:
     out = np.empty(stop - start, dtype=numpy_storage_dtype(ref.dtype))
     stored, offset = placement(ref)
-    return read_flat_range(
-        ckpt.store, stored, stored.shard_key, offset + start, offset + stop, out
-    )
+    return read_flat_range(ckpt.store, stored, stored.shard_key, offset + start, offset + stop, out)
 
 
 def test_ok_not_applicable_and_corrupt_are_three_outcomes(store: Path, tmp_path: Path) -> None:
