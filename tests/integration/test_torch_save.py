@@ -139,3 +139,46 @@ def test_save_async_failure_is_raised_by_result(tmp_path: Path) -> None:
     handle = uctorch.save_async(model, optimizer, tmp_path / "s")  # exists: refused in the thread
     with pytest.raises(StoreExistsError, match="overwrite=True"):
         handle.result(timeout=120)
+
+
+def _objects(store: Path) -> dict[str, bytes]:
+    """Every object of a store but its manifest, by key."""
+    return {
+        path.relative_to(store).as_posix(): path.read_bytes()
+        for path in store.rglob("*")
+        if path.is_file() and path.name != "ucformat.json"
+    }
+
+
+def test_a_models_plan_is_kept_and_its_saves_equal_fresh_ones(tmp_path: Path) -> None:
+    """A model's second save takes the plan its first save made (``plan_kept``) and writes
+    what a save planned anew writes (a twin holding the same state); another optimizer
+    state changes the layout, and the save plans anew."""
+    model, optimizer = _run("ftb", 1, False)
+    _train(model, optimizer, "ftb", range(2))
+    assert not uctorch.save(model, optimizer, tmp_path / "first", fsync=False).plan_kept
+    _train(model, optimizer, "ftb", range(2, 3))
+    kept = uctorch.save(model, optimizer, tmp_path / "kept", fsync=False)
+    assert kept.plan_kept
+    twin, twin_optimizer = _run("ftb", 2, False)
+    twin.load_state_dict(model.state_dict())
+    twin_optimizer.load_state_dict(optimizer.state_dict())
+    fresh = uctorch.save(twin, twin_optimizer, tmp_path / "fresh", fsync=False)
+    assert not fresh.plan_kept
+    assert _objects(tmp_path / "kept") == _objects(tmp_path / "fresh")
+    a, b = (r.manifest.model_dump(mode="json") for r in (kept, fresh))
+    assert {k: v for k, v in a.items() if k not in ("source", "digest")} == {
+        k: v for k, v in b.items() if k not in ("source", "digest")
+    }
+    assert ucformat.verify(tmp_path / "kept").ok
+    handle = uctorch.save_async(
+        model, optimizer, tmp_path / "async", fsync=False
+    )  # host copies, kept plan
+    _train(model, optimizer, "ftb", range(3, 4))  # the live tensors change meanwhile
+    assert handle.result(timeout=120).plan_kept
+    assert _objects(tmp_path / "async") == _objects(tmp_path / "fresh")
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    _train(model, sgd, "ftb", range(4, 5))
+    assert not uctorch.save(
+        model, sgd, tmp_path / "sgd", fsync=False
+    ).plan_kept  # momentum_buffer: anew

@@ -39,7 +39,7 @@ from ucformat.write.live_save import (
     prepare_live_save,
     write_live_save,
 )
-from ucformat.write.plan import ConvertPlan, plan_convert
+from ucformat.write.plan import ConvertPlan, PlanLayout, plan_convert
 from ucformat.write.spread import DEFAULT_EXCHANGE_BUDGET
 
 __all__ = ["SaveHandle", "SaveReport", "save", "save_async"]
@@ -63,7 +63,7 @@ def _prepare(
     """Describe the engine, plan the store and agree that every rank could (collective)."""
     from ucformat.write.convert import convert_options
 
-    def plan(target: LiveTarget) -> ConvertPlan:
+    def plan(target: LiveTarget, kept: PlanLayout | None) -> ConvertPlan:
         if getattr(engine, "has_moe_layers", False):
             raise UnsupportedCheckpointError(
                 f"{target.where}: live saves of MoE engines are not supported yet; save with "
@@ -78,9 +78,12 @@ def _prepare(
             tag=tag,
             copies=target.copies,
         )
-        return plan_convert(source, convert_options(chunk_bytes, shard_bytes, compressor))
+        options = convert_options(chunk_bytes, shard_bytes, compressor)
+        return plan_convert(source, options, kept)
 
-    return prepare_live_save(store, api="ucformat.deepspeed.save", copy_all=copy_all, plan=plan)
+    return prepare_live_save(
+        store, api="ucformat.deepspeed.save", copy_all=copy_all, owner=engine, plan=plan
+    )
 
 
 def save(

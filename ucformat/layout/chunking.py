@@ -271,9 +271,14 @@ def choose_chunking(shape: Sequence[int], itemsize: int, policy: ChunkPolicy) ->
 
     The shard is a flat-contiguous block of whole chunks, so every shard dimension is a
     multiple of the chunk dimension (it may overhang the array at the split dimension, and at
-    the columns of box chunks).
+    the columns of box chunks). Memoized: a model repeats a few shapes over many arrays, and a
+    live save asks again at every save.
     """
-    dims = tuple(shape)
+    return _choose_chunking(tuple(shape), itemsize, policy)
+
+
+@functools.lru_cache(maxsize=4096)
+def _choose_chunking(dims: tuple[int, ...], itemsize: int, policy: ChunkPolicy) -> Chunking:
     if not dims:
         return Chunking((), ())
     if any(dim == 0 for dim in dims):
@@ -370,6 +375,13 @@ def aligned_chunking(
     >>> aligned_chunking((1024, 1024), 4, ChunkPolicy(65536, 1 << 24), [512]).shard_shape
     (512, 1024)
     """
+    return _aligned_chunking(tuple(shape), itemsize, policy, tuple(row_boundaries))
+
+
+@functools.lru_cache(maxsize=4096)
+def _aligned_chunking(
+    shape: tuple[int, ...], itemsize: int, policy: ChunkPolicy, row_boundaries: tuple[int, ...]
+) -> Chunking:
     default = choose_chunking(shape, itemsize, policy)
     inner = [b for b in row_boundaries if 0 < b < (shape[0] if shape else 0)]
     if not shape or not inner or math.prod(shape) == 0:

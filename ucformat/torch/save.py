@@ -22,6 +22,8 @@ same write engine as ``ucformat.deepspeed.save`` (:mod:`ucformat.write.spread`):
    and raises the same :class:`~ucformat.errors.CollectiveError` on every rank.
 
 :func:`save_async` copies the local shards to host memory, then writes in a background thread.
+The plan's layout is kept per model (:mod:`ucformat.write.live_save`): the next save of the same
+model, optimizer state and sharding only binds the kept plan to the current tensors.
 
 The stored state has the converter's form: ``fp32`` (fp32 weights; frozen params in their own
 dtype), one array per optimizer state (``exp_avg``, ``exp_avg_sq``, ...), the ``step`` scalar,
@@ -87,7 +89,7 @@ from ucformat.write.live_save import (
     prepare_live_save,
     write_live_save,
 )
-from ucformat.write.plan import ConvertPlan, plan_convert
+from ucformat.write.plan import ConvertPlan, PlanLayout, plan_convert
 from ucformat.write.spread import DEFAULT_EXCHANGE_BUDGET
 
 __all__ = ["save", "save_async"]
@@ -106,15 +108,15 @@ class _Described:
 
 def _array(
     shard: LocalShard,
+    runs: list[tuple[Any, int]],
     tensor: torch.Tensor,
     dtype: str,
     ranks: Group,
     copies: HostCopies,
 ) -> tuple[ArraySource, list[int]]:
-    """The array holding ``tensor`` (laid out like ``shard``) in ``dtype``: one fragment per
-    owner run (this rank's runs read from its local values in host memory, the others' named),
-    and the runs' first rows."""
-    runs = shard.owners(mesh_ranks(shard))
+    """The array holding ``tensor`` (laid out like ``shard``, owned by ``runs``:
+    ``shard.owners``) in ``dtype``: one fragment per owner run (this rank's runs read from its
+    local values in host memory, the others' named), and the runs' first rows."""
     array = ArraySource(shard.shape, dtype)
     local: MemoryTensor | None = None
     for owner, at in runs:
@@ -182,13 +184,16 @@ def _describe(
     out: dict[str, SourceParam] = {}
     mesh = None
 
-    def add(path: str, shard: LocalShard, tensor: torch.Tensor, dtype: str) -> ArraySource:
-        array, firsts = _array(shard, tensor, dtype, ranks, copies)
+    def add(
+        path: str, shard: LocalShard, runs: list[tuple[Any, int]], tensor: torch.Tensor, dtype: str
+    ) -> ArraySource:
+        array, firsts = _array(shard, runs, tensor, dtype, ranks, copies)
         rows[path], shapes[path] = firsts, (shard.shape, dtype)
         return array
 
     for name, param in params.items():
         shard = local_shard(name, param)
+        runs = shard.owners(mesh_ranks(shard))  # the same for the weight and every state
         if shard.mesh is not None and mesh is None:
             mesh = shard.mesh
         group_index = group_of.get(id(param))
@@ -201,7 +206,7 @@ def _describe(
         # Trainable: the fp32 master weight; frozen: the value in its own dtype (format 2).
         value_state = FP32_STATE if trainable else VALUE_STATE
         path = state_array_path(name, value_state)
-        source.arrays[value_state] = add(path, shard, shard.local, stored)
+        source.arrays[value_state] = add(path, shard, runs, shard.local, stored)
         state = optimizer.state.get(param, {}) if optimizer is not None and trainable else {}
         for key, value in sorted(state.items()):
             if (
@@ -211,14 +216,16 @@ def _describe(
             ):
                 local = value.to_local() if is_dtensor(value) else value  # type: ignore[attr-defined]
                 path = state_array_path(name, key)
-                source.arrays[key] = add(path, shard, local, dtype_name(value.dtype))
+                source.arrays[key] = add(path, shard, runs, local, dtype_name(value.dtype))
             else:
                 source.scalars[key] = scalar_state(value, f"optimizer state '{key}' of '{name}'")
         out[name] = source
     buffers: dict[str, ArraySource] = {}
     for name, buffer in model_named(persistent_buffers(model).items(), "buffers").items():
         shard = local_shard(name, buffer)
-        buffers[name] = add(buffer_array_path(name), shard, shard.local, dtype_name(buffer.dtype))
+        runs = shard.owners(mesh_ranks(shard))
+        path = buffer_array_path(name)
+        buffers[name] = add(path, shard, runs, shard.local, dtype_name(buffer.dtype))
     copies.wait()
     info = None
     if optimizer is not None:
@@ -264,8 +271,14 @@ def _describe(
     return _Described(source_ckpt, rows, shapes)
 
 
-def _plan(described: _Described, chunk_bytes: int | None, shard_bytes: int | None) -> ConvertPlan:
-    """The store's plan, with the converter's chunk policy and shards on owner boundaries."""
+def _plan(
+    described: _Described,
+    chunk_bytes: int | None,
+    shard_bytes: int | None,
+    kept: PlanLayout | None = None,
+) -> ConvertPlan:
+    """The store's plan, with the converter's chunk policy and shards on owner boundaries
+    (``kept``: the layout kept from the model's previous save)."""
     options = convert_options(chunk_bytes, shard_bytes)
     layouts: dict[str, Chunking] = {}
     for path, (shape, dtype) in described.shapes.items():
@@ -273,7 +286,7 @@ def _plan(described: _Described, chunk_bytes: int | None, shard_bytes: int | Non
             layouts[path] = aligned_chunking(
                 shape, itemsize(dtype), options.policy, described.rows[path]
             )
-    return plan_convert(described.source, replace(options, layouts=layouts))
+    return plan_convert(described.source, replace(options, layouts=layouts), kept)
 
 
 def _prepare(
@@ -290,14 +303,16 @@ def _prepare(
     """Describe, plan and choose the writers; agree that every rank could (collective)."""
     reshard(model)
 
-    def plan(target: LiveTarget) -> ConvertPlan:
+    def plan(target: LiveTarget, kept: PlanLayout | None) -> ConvertPlan:
         described = _describe(
             model, optimizer, scheduler, client_state, target.location, target.group,
             target.copies,
         )  # fmt: skip
-        return _plan(described, chunk_bytes, shard_bytes)
+        return _plan(described, chunk_bytes, shard_bytes, kept)
 
-    return prepare_live_save(store, api="ucformat.torch.save", copy_all=copy_all, plan=plan)
+    return prepare_live_save(
+        store, api="ucformat.torch.save", copy_all=copy_all, owner=model, plan=plan
+    )
 
 
 def save(

@@ -7,7 +7,14 @@ A binding only turns its framework's live state into a plan; the rest is the sam
    is chosen by holdings (:func:`~ucformat.layout.ownership.writers_by_holdings`) and the store
    is opened; every rank then agrees that every rank got this far
    (:func:`~ucformat.collective.settle`: one :class:`~ucformat.errors.CollectiveError` on every
-   rank otherwise, and nothing is written);
+   rank otherwise, and nothing is written). **Plans are kept**: per ``owner`` (the engine or
+   the model saved) the layout of the last save's plan and its writers are kept
+   (:class:`~ucformat.write.plan.PlanLayout`, weakly: they go with the owner); the next save
+   passes it to the planner, which takes it as it is when the live state has the same layout
+   key (names, shapes, dtypes, fragments and their holders, options: checked in one pass over
+   the fragments), so a save of an unchanged layout decides nothing again (no chunking,
+   stacking, validation of its arrays or writer choice) and only binds the units to this
+   save's tensors;
 2. :func:`write_live_save` (collective, in the caller's thread for ``save``, in the background
    thread of :mod:`ucformat.write.background` for ``save_async``): the plan spread over the
    ranks (:func:`~ucformat.write.spread.write_spread`: exchange of straddling shards, one commit
@@ -17,6 +24,7 @@ A binding only turns its framework's live state into a plan; the rest is the sam
 from __future__ import annotations
 
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -26,7 +34,7 @@ from ucformat.format.models import CheckpointManifest
 from ucformat.layout.ownership import writers_by_holdings
 from ucformat.sources.live import HostCopies
 from ucformat.store.keys import StoreLike, open_store
-from ucformat.write.plan import ConvertPlan
+from ucformat.write.plan import ConvertPlan, PlanLayout
 from ucformat.write.spread import SpreadReport, holdings, write_spread
 
 __all__ = ["LiveSave", "LiveTarget", "SaveReport", "prepare_live_save", "write_live_save"]
@@ -55,6 +63,9 @@ class SaveReport:
     blocked_seconds: float
     #: Seconds from the call to the commit.
     seconds: float
+    #: Whether the save took the layout kept from this owner's previous save (True), or
+    #: planned anew (the first save, or the layout changed).
+    plan_kept: bool = False
 
 
 @dataclass(frozen=True)
@@ -79,10 +90,32 @@ class LiveSave:
     plan: ConvertPlan
     writers: list[int]
     store: Any
+    #: Whether the plan took the layout kept from the owner's previous save.
+    kept: bool = False
+
+
+@dataclass(frozen=True)
+class _Kept:
+    """What a live save keeps of its plan for the owner's next save: the layout and the
+    writers of its units, for a world of ``world_size`` ranks."""
+
+    layout: PlanLayout
+    writers: list[int]
+    world_size: int
+
+
+#: Per owner (an engine, a model), the kept plan of its last save; weakly, so that it goes
+#: with the owner.
+_KEPT: weakref.WeakKeyDictionary[Any, _Kept] = weakref.WeakKeyDictionary()
 
 
 def prepare_live_save(
-    store: StoreLike, *, api: str, copy_all: bool, plan: Callable[[LiveTarget], ConvertPlan]
+    store: StoreLike,
+    *,
+    api: str,
+    copy_all: bool,
+    owner: Any,
+    plan: Callable[[LiveTarget, PlanLayout | None], ConvertPlan],
 ) -> LiveSave:
     """Plan the save on this rank and agree that every rank could (collective).
 
@@ -90,7 +123,11 @@ def prepare_live_save(
         store: the destination (path, URL or zarr ``Store``), the same on every rank.
         api: the public function, for messages (``"ucformat.torch.save"``).
         copy_all: copy every tensor written to host memory now (``save_async``).
-        plan: the binding's describe-and-plan step.
+        owner: what is saved (the engine or the model): the plan's layout is kept per owner
+            for its next save.
+        plan: the binding's describe-and-plan step; it gets the layout kept from the owner's
+            previous save (None for the first), to pass to
+            :func:`~ucformat.write.plan.plan_convert`.
 
     Raises:
         CollectiveError: some rank failed (one process: its own error), on every rank.
@@ -101,9 +138,20 @@ def prepare_live_save(
     failure: Exception | None = None
     prepared: LiveSave | None = None
     try:
-        planned = plan(target)
-        writers = writers_by_holdings(holdings(planned), ranks.world_size)
-        prepared = LiveSave(target, planned, writers, open_store(store, read_only=False))
+        kept = _KEPT.get(owner)
+        if kept is not None and kept.world_size != ranks.world_size:
+            kept = None
+        planned = plan(target, None if kept is None else kept.layout)
+        reused = kept is not None and planned.layout is kept.layout
+        if kept is not None and reused:
+            writers = kept.writers
+        else:
+            writers = writers_by_holdings(holdings(planned), ranks.world_size)
+            if planned.layout is not None:
+                _KEPT[owner] = _Kept(planned.layout, writers, ranks.world_size)
+        prepared = LiveSave(
+            target, planned, writers, open_store(store, read_only=False), kept=reused
+        )
     except Exception as exc:  # every rank must learn of it
         failure = exc
     settle(failure, ranks, target.where)
@@ -152,4 +200,5 @@ def write_live_save(
         host_copy_bytes=save.target.copies.nbytes,
         blocked_seconds=seconds if blocked is None else blocked,
         seconds=seconds,
+        plan_kept=save.kept,
     )

@@ -17,14 +17,21 @@
    of its stored array, and each unit is written once by exactly one writer: units can be
    spread over threads, processes or hosts.
 5. the manifest to commit once every unit is written.
+
+Steps 1 to 3 depend only on the source's layout (:func:`layout_key`: names, shapes, dtypes,
+fragments and their holders, options), and their outcome is the plan's :class:`PlanLayout`. A
+live save keeps it and passes it back for its next save (``kept``): when the layout key is the
+same, those steps are taken as they were, and only the units and the manifest are made for the
+new source's fragments and values.
 """
 
 from __future__ import annotations
 
 import bisect
+import hashlib
 import itertools
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from math import prod
 
 from ucformat._version import __version__
@@ -58,13 +65,15 @@ from ucformat.layout.chunking import (
 )
 from ucformat.layout.ranges import check_tiling
 from ucformat.layout.stacking import arrays_per_shard, group_stacks
-from ucformat.sources.base import ArraySource, SourceCheckpoint, SourceFragment
+from ucformat.sources.base import ArraySource, PartitionSource, SourceCheckpoint, SourceFragment
 
 __all__ = [
     "ConvertOptions",
     "ConvertPlan",
     "CopyItem",
+    "PlanLayout",
     "WriteUnit",
+    "layout_key",
     "plan_convert",
 ]
 
@@ -117,6 +126,23 @@ class WriteUnit:
 
 
 @dataclass(frozen=True)
+class PlanLayout:
+    """What a plan decided that depends only on the layout of its source: the stored arrays,
+    every logical array's chunking and place (in plan order: parameters' states, then
+    buffers), and the format version. A live save keeps it (:mod:`ucformat.write.live_save`)
+    and plans its next save of the same layout from it (:func:`plan_convert` with ``kept``)
+    instead of deciding again."""
+
+    #: :func:`layout_key` of the source and options it was planned for.
+    key: tuple[object, ...]
+    #: A digest of ``key``, the same in every process that planned the same layout.
+    digest: str
+    arrays: tuple[StoredArray, ...]
+    refs: tuple[ArrayRef, ...]
+    version: str
+
+
+@dataclass(frozen=True)
 class ConvertPlan:
     """Everything needed to write a store, decided up front: the zarr arrays to create, the
     shards that fill them, and the manifest naming every logical array in them."""
@@ -124,6 +150,8 @@ class ConvertPlan:
     arrays: tuple[StoredArray, ...]
     units: tuple[WriteUnit, ...]
     manifest: CheckpointManifest
+    #: The layout decisions (None only for plans built by hand).
+    layout: PlanLayout | None = None
 
     @property
     def nbytes(self) -> int:
@@ -141,12 +169,52 @@ class _Logical:
     source: ArraySource
 
 
-def plan_convert(source: SourceCheckpoint, options: ConvertOptions) -> ConvertPlan:
-    """Plan the conversion of ``source``; raises CoverageError if any array would have a hole."""
+def layout_key(source: SourceCheckpoint, options: ConvertOptions) -> tuple[object, ...]:
+    """Everything of ``source`` and ``options`` a plan's layout depends on: names, shapes,
+    dtypes, groups, ties, and every fragment's place and holder (a live tensor's rank), the
+    options. Two sources with equal keys get the same stored arrays, the same units (copying
+    from their own tensors) and the same writers; only the manifest's values may differ."""
+
+    def arrays(array: ArraySource) -> tuple[object, ...]:
+        return (array.shape, array.dtype, tuple(
+            (f.start, f.length, f.tensor_start, getattr(f.tensor, "rank", None),
+             f.tensor.dtype_name)
+            for f in array.fragments
+        ))  # fmt: skip
+
+    params = tuple(
+        (name, param.shape, param.dtype, param.requires_grad, param.group,
+         tuple((state, arrays(array)) for state, array in param.arrays.items()),
+         tuple((key, arrays(array)) for key, array in param.whole.items()))
+        for name, param in source.params.items()
+    )  # fmt: skip
+    buffers = tuple((name, arrays(array)) for name, array in source.buffers.items())
+    partitions = tuple(
+        (g, tuple((key, part.replicated, arrays(part.array)) for key, part in held.items()))
+        for g, held in sorted(source.partition_states.items())
+    )
+    layouts = tuple(sorted(options.layouts.items()))
+    placements = tuple(sorted((k, v.model_dump_json()) for k, v in options.placements.items()))
+    settings = (options.policy, options.compressor, options.format_version, layouts, placements)
+    return (settings, params, buffers, partitions, tuple(sorted(source.tied.items())))
+
+
+def plan_convert(
+    source: SourceCheckpoint, options: ConvertOptions, kept: PlanLayout | None = None
+) -> ConvertPlan:
+    """Plan the conversion of ``source``; raises CoverageError if any array would have a hole.
+
+    ``kept``: the layout of an earlier plan (``ConvertPlan.layout``); when ``source`` and
+    ``options`` have its :func:`layout_key`, its decisions are taken as they are (no chunking,
+    stacking or checks again) and only the units and the manifest are made anew.
+    """
+    key = layout_key(source, options)
+    if kept is not None and kept.key == key:
+        return _plan(source, kept, kept=True)
     logical: list[_Logical] = []
     partitioned = source.source.framework == "deepspeed" and source.source.zero_stage == 3
 
-    def add(name: str, array: ArraySource, what: str) -> int:
+    def add(name: str, array: ArraySource, what: str) -> None:
         check_tiling(what, array.numel, ((f.start, f.start + f.length) for f in array.fragments))
         chunking = options.layouts.get(name)
         if chunking is None or len(chunking.chunk_shape) != len(array.shape):
@@ -161,88 +229,138 @@ def plan_convert(source: SourceCheckpoint, options: ConvertOptions) -> ConvertPl
             compressor=options.compressor,  # type: ignore[arg-type]
         )
         logical.append(_Logical(name, ref, array))
-        return len(logical) - 1
 
     legacy = (options.format_version or "").partition(".")[0] == "1"
-    aliases: dict[str, list[str]] = {}
     for alias, owner in source.tied.items():
         _check_name(alias, "tied alias", f" of parameter '{owner}'")
-        aliases.setdefault(owner, []).append(alias)
-    param_arrays: dict[str, dict[str, int]] = {}
-    whole_arrays: dict[str, dict[str, int]] = {}
     for name, param in source.params.items():
         _check_name(name, "parameter")
         for state in param.arrays:
             _check_name(state, "state", f" of parameter '{name}'")
-        param_arrays[name] = {
-            state: add(state_array_path(name, state), array, f"param '{name}' state '{state}'")
-            for state, array in _format_states(param.arrays, legacy).items()
-        }
-        whole_arrays[name] = {
-            key: add(state_array_path(name, key), array, f"param '{name}' whole state '{key}'")
-            for key, array in param.whole.items()
-        }
-    for name in source.buffers:
+        for state, array in _format_states(param.arrays, legacy).items():
+            add(state_array_path(name, state), array, f"param '{name}' state '{state}'")
+        for key, array in param.whole.items():
+            add(state_array_path(name, key), array, f"param '{name}' whole state '{key}'")
+    for name, array in source.buffers.items():
         _check_name(name, "buffer")
-    buffer_arrays = {
-        name: add(buffer_array_path(name), array, f"buffer '{name}'")
-        for name, array in source.buffers.items()
-    }
-    optimizer = source.optimizer
-    partition_arrays: dict[int, dict[str, int]] = {}
-    if optimizer is not None:  # under each group's first member (docs/format.md §3.4)
-        for g, held in sorted(source.partition_states.items()):
-            first = optimizer.groups[g].params[0]
-            partition_arrays[g] = {
-                key: add(state_array_path(first, key), part.array, f"group {g} '{key}'")
-                for key, part in held.items()
-            }
+        add(buffer_array_path(name), array, f"buffer '{name}'")
+    for g, key, part in _partition_states(source):  # under each group's first member
+        first = source.optimizer.groups[g].params[0]  # type: ignore[union-attr]
+        add(state_array_path(first, key), part.array, f"group {g} '{key}'")
     version = options.format_version
     if version is None or is_stacked_version(version):
-        refs, stored, fragments = _stacked(logical, options)
+        refs, stored = _stacked(logical, options)
         version = version or FORMAT_VERSION
     else:
         refs = [item.ref for item in logical]
         stored = [stored_array(ref) for ref in refs]
-        fragments = [item.source.fragments for item in logical]
+    digest = hashlib.sha256(repr(key).encode()).hexdigest()
+    return _plan(source, PlanLayout(key, digest, tuple(stored), tuple(refs), version), legacy)
+
+
+def _plan(
+    source: SourceCheckpoint, layout: PlanLayout, legacy: bool = False, kept: bool = False
+) -> ConvertPlan:
+    """The units and the manifest of ``source`` in ``layout`` (decided for its layout key;
+    ``kept``: by an earlier plan, whose manifest was validated)."""
+    sources = [
+        array
+        for param in source.params.values()
+        for array in (*_format_states(param.arrays, legacy).values(), *param.whole.values())
+    ]
+    sources += source.buffers.values()
+    sources += [part.array for _, _, part in _partition_states(source)]
+    fragments = _stored_fragments(layout, sources)
+    units = tuple(
+        unit
+        for index, (array, pieces) in enumerate(zip(layout.arrays, fragments, strict=True))
+        for unit in _units(index, array, pieces)
+    )
+    return ConvertPlan(layout.arrays, units, _manifest(source, layout, legacy, kept), layout)
+
+
+def _stored_fragments(layout: PlanLayout, sources: list[ArraySource]) -> list[list[SourceFragment]]:
+    """Each stored array's fragments at their flat positions in it (a stack's members in index
+    order), from the logical arrays' ``sources`` (in ``layout.refs`` order)."""
+    where = {array.path: index for index, array in enumerate(layout.arrays)}
+    pieces: list[list[SourceFragment]] = [[] for _ in layout.arrays]
+    order = sorted(
+        range(len(sources)),
+        key=lambda i: (where[layout.refs[i].path], _slot(layout.refs[i])),
+    )
+    for i in order:
+        ref, array = layout.refs[i], sources[i]
+        base = _slot(ref) * array.numel
+        target = pieces[where[ref.path]]
+        if base:
+            target += [
+                SourceFragment(f.tensor, f.tensor_start, f.start + base, f.length)
+                for f in array.fragments
+            ]
+        else:
+            target += array.fragments
+    return pieces
+
+
+def _slot(ref: ArrayRef) -> int:
+    return 0 if ref.stack is None else ref.stack.index
+
+
+def _manifest(
+    source: SourceCheckpoint, layout: PlanLayout, legacy: bool, kept: bool
+) -> CheckpointManifest:
+    """The manifest of ``source`` whose logical arrays are ``layout.refs`` (in plan order).
+
+    ``kept``: the layout's first manifest was validated, and ``source`` has the same names,
+    shapes, groups and ties (its :func:`layout_key`); its new values (scalars, progress,
+    optimizer and client state, provenance) are validated models already. The manifest is
+    then assembled without validating it all again (``model_construct``).
+    """
+    refs = iter(layout.refs)
+    aliases: dict[str, list[str]] = {}
+    for alias, owner in source.tied.items():
+        aliases.setdefault(owner, []).append(alias)
+    entry = ParamEntry.model_construct if kept else ParamEntry
+    buffer_entry = BufferEntry.model_construct if kept else BufferEntry
     params = {
-        name: ParamEntry(
+        name: entry(
             shape=list(param.shape),
             dtype=param.dtype,  # type: ignore[arg-type]
             requires_grad=param.requires_grad,
             group=param.group,
-            states={state: refs[index] for state, index in param_arrays[name].items()},
+            states={state: next(refs) for state in _format_states(param.arrays, legacy)},
             scalars=param.scalars,
             aliases=aliases.get(name, []),
-            whole_states={key: refs[index] for key, index in whole_arrays[name].items()},
+            whole_states={key: next(refs) for key in param.whole},
         )
         for name, param in source.params.items()
     }
     buffers = {
-        name: BufferEntry(
+        name: buffer_entry(
             shape=list(array.shape),
             dtype=array.dtype,  # type: ignore[arg-type]
-            array=refs[buffer_arrays[name]],
+            array=next(refs),
         )
         for name, array in source.buffers.items()
     }
     tied = {alias: owner for alias, owner in source.tied.items() if owner in params}
-    if optimizer is not None and partition_arrays:
+    optimizer = source.optimizer
+    held = _partition_states(source)
+    if optimizer is not None and held:
         groups = list(optimizer.groups)
-        for g, held in partition_arrays.items():
-            states = {
-                key: PartitionState(
-                    partitions=source.partition_states[g][key].array.shape[0],
-                    shape=list(source.partition_states[g][key].array.shape[1:]),
-                    replicated=source.partition_states[g][key].replicated,
-                    array=refs[index],
-                )
-                for key, index in held.items()
-            }
+        for g, key, part in held:
+            state = PartitionState(
+                partitions=part.array.shape[0],
+                shape=list(part.array.shape[1:]),
+                replicated=part.replicated,
+                array=next(refs),
+            )
+            states = {**groups[g].partition_states, key: state}
             groups[g] = groups[g].model_copy(update={"partition_states": states})
         optimizer = optimizer.model_copy(update={"groups": groups})
-    manifest = CheckpointManifest(
-        format_version=version,
+    manifest = CheckpointManifest.model_construct if kept else CheckpointManifest
+    return manifest(
+        format_version=layout.version,
         created_by=f"ucformat {__version__}",
         source=source.source,
         params=params,
@@ -254,42 +372,41 @@ def plan_convert(source: SourceCheckpoint, options: ConvertOptions) -> ConvertPl
         megatron=source.megatron,
         tensor_parallel=source.tensor_parallel,
         experts=source.experts,
+        digest=None,
     )
-    units = tuple(
-        unit
-        for index, (array, pieces) in enumerate(zip(stored, fragments, strict=True))
-        for unit in _units(index, array, pieces)
-    )
-    return ConvertPlan(tuple(stored), units, manifest)
+
+
+def _partition_states(source: SourceCheckpoint) -> list[tuple[int, str, PartitionSource]]:
+    """``(group, key, state)`` of every optimizer state kept once per flat partition of a param
+    group (format 3.1), in group order: named under the group's first member."""
+    if source.optimizer is None:
+        return []
+    return [
+        (g, key, part)
+        for g, held in sorted(source.partition_states.items())
+        for key, part in held.items()
+    ]
 
 
 def _stacked(
     logical: list[_Logical], options: ConvertOptions
-) -> tuple[list[ArrayRef], list[StoredArray], list[list[SourceFragment]]]:
-    """Format 3.1: the logical arrays stacked (their references, the stacks, and each stack's
-    fragments at their flat positions in it)."""
+) -> tuple[list[ArrayRef], list[StoredArray]]:
+    """Format 3.1: the logical arrays' references in their stacks, and the stacks."""
     stacks = _given_stacks(logical, options.placements)
     if stacks is None:
         stacks = _policy_stacks(logical, options.policy.shard_bytes)
     refs: list[ArrayRef | None] = [None] * len(logical)
     stored: list[StoredArray] = []
-    fragments: list[list[SourceFragment]] = []
     for number, (members, per_shard) in enumerate(stacks):
-        pieces: list[SourceFragment] = []
         for index, member in enumerate(members):
-            item = logical[member]
             slot = StackSlot(index=index, size=len(members), per_shard=per_shard)
-            refs[member] = item.ref.model_copy(
+            refs[member] = logical[member].ref.model_copy(
                 update={"path": stack_array_path(number), "stack": slot}
             )
-            base = index * item.source.numel
-            pieces += [replace(f, start=f.start + base) for f in item.source.fragments]
         first = refs[members[0]]
         assert first is not None
         stored.append(stored_array(first))
-        fragments.append(pieces)
-    assert all(ref is not None for ref in refs)
-    return [ref for ref in refs if ref is not None], stored, fragments
+    return [ref for ref in refs if ref is not None], stored
 
 
 def _layout_key(ref: ArrayRef) -> tuple[object, ...]:
@@ -403,9 +520,7 @@ def _flat_start(shape: list[int], region: tuple[slice, ...]) -> int:
     return offset
 
 
-def _units(
-    index: int, array: StoredArray, fragments: list[SourceFragment]
-) -> Iterator[WriteUnit]:
+def _units(index: int, array: StoredArray, fragments: list[SourceFragment]) -> Iterator[WriteUnit]:
     fragments = sorted(fragments, key=lambda f: f.start)
     starts = [f.start for f in fragments]
     shape = list(array.shape)

@@ -89,7 +89,16 @@ def holdings(plan: ConvertPlan) -> list[dict[int, int]]:
 
 
 def plan_fingerprint(plan: ConvertPlan) -> str:
-    """A digest of the plan's structure (arrays, units, copies and who holds them)."""
+    """A digest of the plan's structure (arrays, units, copies and who holds them) and of
+    every parameter's scalars (the ranks must be at the same point). A plan made by
+    :func:`~ucformat.write.plan.plan_convert` is a function of its layout key, whose digest
+    stands for the structure; a plan built otherwise is digested unit by unit."""
+    scalars = [
+        [name, [[key, s.kind, s.value, s.dtype] for key, s in entry.scalars.items()]]
+        for name, entry in plan.manifest.params.items()
+    ]
+    if plan.layout is not None:
+        return fingerprint([plan.layout.digest, scalars])
     return fingerprint(
         [
             [dataclasses.astuple(array) for array in plan.arrays],
@@ -98,11 +107,9 @@ def plan_fingerprint(plan: ConvertPlan) -> str:
                 + [[_rank_of(c), c.tensor_start, c.offset, c.length] for c in u.copies]
                 for u in plan.units
             ],
-            # scalars such as every parameter's step: the ranks must be at the same point
-            {name: entry.model_dump(mode="json").get("scalars") for name, entry in
-             plan.manifest.params.items()},
+            scalars,
         ]
-    )  # fmt: skip
+    )
 
 
 @dataclass
