@@ -39,15 +39,16 @@ __all__ = ["discard_store", "prepare_destination", "start_store"]
 
 #: What zarr's LocalStore leaves at the root when killed while writing a root object.
 _PARTIAL_ROOT = re.compile(r"^(zarr|ucformat)\.[0-9a-f]{32}\.partial$")
-#: Top-level folders of a store (format.md §2): a folder holding only these (and root objects)
-#: is one an interrupted ucformat write left, and may be overwritten.
-_STORE_FOLDERS = frozenset({"params", "buffers"})
+#: Top-level folders of a store (format.md §2: ``stacks`` since format 3.1, ``params`` and
+#: ``buffers`` before): a folder holding only these (and root objects) is one an interrupted
+#: ucformat write left, and may be overwritten.
+_STORE_FOLDERS = frozenset({"stacks", "params", "buffers"})
 
 
 def start_store(store: Store, overwrite: bool, format_version: str = FORMAT_VERSION) -> bool:
     """Lock the destination, check it (see ``overwrite``) and write the root group: an
     uncommitted store. ``format_version`` goes into the root group's attribute: the manifest's
-    (the plan's :func:`~ucformat.write.plan.layout_version`), so the two agree.
+    (the plan's version), so the two agree.
 
     A local store goes through its :class:`~ucformat.store.destination.LocalDestination`
     (lock, check, staging folder beside it); any other store takes its lock object and is
