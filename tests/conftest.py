@@ -26,6 +26,21 @@ def deepspeed_available() -> bool:
     return importlib.util.find_spec("deepspeed") is not None
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Skip the tests marked ``gpu`` where no CUDA device is available (they are collected
+    everywhere, so their count shows in every run)."""
+    gpu = [item for item in items if item.get_closest_marker("gpu") is not None]
+    if not gpu:
+        return
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device (torch.cuda.is_available() is false)")
+    for item in gpu:
+        item.add_marker(skip)
+
+
 @pytest.fixture(scope="session")
 def ds_grid() -> Path:
     """Every case of tests.fixtures.ds_cases.ALL and ZOO, made by DeepSpeed itself (cached; one

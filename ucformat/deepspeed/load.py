@@ -51,6 +51,7 @@ from ucformat.read.partitions import (
     rank_fragments,
     read_flat_state,
 )
+from ucformat.read.staging import wants_pinned
 from ucformat.store.keys import StoreLike
 
 __all__ = ["LoadReport", "load"]
@@ -279,8 +280,9 @@ def _read_partitions(
     """Check, or read into new tensors, everything of the rank's flat partitions (no writes).
 
     A state goes straight into the engine's tensor when :func:`can_fill_in_place` vouches for it
-    (local uncompressed store, every chunk of its ranges present and checksummed in place, a CPU
-    destination of the stored dtype); anything else is read into a new tensor now.
+    (local uncompressed store, every chunk of its ranges present and checksummed in place, a
+    destination of the stored dtype: on a CUDA device it is filled later through two pinned
+    host windows); anything else is read into a new tensor now (pinned for a CUDA engine).
     """
     manifest = ckpt.manifest
     parts: list[_FlatRead] = []
@@ -294,9 +296,10 @@ def _read_partitions(
             for key in state_keys
         }
         part = _FlatRead(target, live, fragments, with_state)
+        pin = wants_pinned(live.device)  # a CUDA engine: read into pinned host memory
         if not can_fill_in_place(ckpt, target, fragments, FP32_STATE, live):
             part.fp32 = read_flat_state(
-                ckpt, target, fragments, FP32_STATE, tally, torch.float32, base=live
+                ckpt, target, fragments, FP32_STATE, tally, torch.float32, base=live, pin=pin
             )
         existing = _live_states(view, target.index, state_keys)
         for key in state_keys:
@@ -306,7 +309,9 @@ def _read_partitions(
                 part.states[key] = existing[key]
                 part.in_place.append(key)
             else:
-                part.states[key] = read_flat_state(ckpt, target, with_state[key], key, tally)
+                part.states[key] = read_flat_state(
+                    ckpt, target, with_state[key], key, tally, pin=pin
+                )
         parts.append(part)
     return parts
 

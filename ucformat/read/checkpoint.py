@@ -42,6 +42,7 @@ from ucformat.layout.boxes import Run
 from ucformat.layout.chunking import chunk_aligned_range, is_flat_chunking
 from ucformat.layout.placements import merge_runs
 from ucformat.layout.ranges import chunk_cover, flat_range_to_boxes, intersect_boxes
+from ucformat.read.staging import host_buffer
 from ucformat.store.arrays import Array, array_from_manifest, read_box
 from ucformat.store.checked import CheckedStore, IOStats
 from ucformat.store.direct.runs_read import FlatRun, check_runs, read_runs
@@ -193,8 +194,11 @@ class UniversalCheckpoint:
         dtype = torch.float32 if state == FP32_STATE else torch_dtype(ref.dtype)
         return torch.empty(0, dtype=dtype)
 
-    def read_range(self, name: str, state: str, start: int, stop: int) -> torch.Tensor:
-        """Flat elements ``[start, stop)`` of ``state`` of ``name`` as a 1-D tensor.
+    def read_range(
+        self, name: str, state: str, start: int, stop: int, *, pin: bool = False
+    ) -> torch.Tensor:
+        """Flat elements ``[start, stop)`` of ``state`` of ``name`` as a 1-D tensor (``pin``:
+        in page-locked host memory, for a copy to a CUDA device).
 
         Raises:
             OutOfRangeError: not ``0 <= start <= stop <= numel``.
@@ -206,23 +210,26 @@ class UniversalCheckpoint:
                 f"{name} {state}: elements [{start}, {stop}) are outside the array's "
                 f"[0, {numel}); give 0 <= start <= stop <= {numel}."
             )
-        out = prefaulted_empty(stop - start, numpy_storage_dtype(ref.dtype))
+        out = host_buffer(stop - start, ref.dtype, pin=pin)
         self.read_range_into(ref, start, stop, out)
         tensor = storage_to_torch(out, ref.dtype)
         if state == FP32_STATE and tensor.dtype != torch.float32:
             tensor = tensor.to(torch.float32)
         return tensor
 
-    def read_runs(self, name: str, state: str, runs: Sequence[Run]) -> torch.Tensor:
+    def read_runs(
+        self, name: str, state: str, runs: Sequence[Run], *, pin: bool = False
+    ) -> torch.Tensor:
         """The global flat ``runs`` of ``state`` of ``name``, concatenated (1-D).
 
         ``Run.chunk_start`` is each run's position in the result (as
         :func:`ucformat.layout.placements.local_runs` gives them for a local shard). Runs whose
-        chunks touch are read as one range, so each chunk is fetched once.
+        chunks touch are read as one range, so each chunk is fetched once. ``pin``: the result
+        is page-locked host memory (bound for a CUDA device: one DMA, no other host copy).
         """
         ref = self.array_ref(name, state)
         total = sum(run.length for run in runs)
-        out = prefaulted_empty(total, numpy_storage_dtype(ref.dtype))
+        out = host_buffer(total, ref.dtype, pin=pin)
         if ref.shape and not is_flat_chunking(ref.shape, ref.chunk_shape):
             self.read_runs_into(
                 ref, [(r.start, r.start + r.length, r.chunk_start) for r in runs], out

@@ -14,13 +14,13 @@ them into reads of exactly the flat ranges the rank owns. Two ways:
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
 
-from ucformat.format.dtypes import itemsize, numpy_storage_dtype, storage_to_torch, torch_dtype
+from ucformat.format.dtypes import itemsize, storage_to_torch, torch_dtype
 from ucformat.format.models import ArrayRef
 from ucformat.format.spec import FP32_STATE
 from ucformat.format.stacks import StoredArray, describe_ref, placement
@@ -28,7 +28,7 @@ from ucformat.layout.chunking import is_flat_chunking
 from ucformat.layout.partition import Fragment, PartitionedFlatLayout, PerParamLayout
 from ucformat.layout.reads import ReadCost, range_read_cost
 from ucformat.read.checkpoint import UniversalCheckpoint
-from ucformat.sysio.memory import prefaulted_empty
+from ucformat.read.staging import DeviceStaging, host_buffer
 
 __all__ = [
     "FlatTarget",
@@ -112,12 +112,15 @@ def read_flat_state(
     tally: ReadTally,
     dtype: torch.dtype | None = None,
     base: torch.Tensor | None = None,
+    pin: bool = False,
 ) -> torch.Tensor:
     """A new 1-D tensor of ``target.numel`` elements holding ``state`` where the rank owns data.
 
     Elements outside the fragments (padding, parameters the store lacks) are taken from
     ``base`` (e.g. the live values, so a non-strict load keeps them), else zero.
-    ``dtype`` defaults to the stored dtype (``float32`` for ``fp32``).
+    ``dtype`` defaults to the stored dtype (``float32`` for ``fp32``). ``pin``: the tensor is
+    page-locked host memory (it is bound for a CUDA device: :func:`~ucformat.read.staging.
+    wants_pinned`), so its copy there is one DMA and no other host copy is made.
     """
     manifest = ckpt.manifest
     refs = {f.name: ckpt.array_ref(f.name, state) for f in fragments}
@@ -127,7 +130,7 @@ def read_flat_state(
     stored_dtype = stored.pop()
     if state == FP32_STATE and stored_dtype != "float32":
         stored_dtype = "float32"
-    out = prefaulted_empty(target.numel, numpy_storage_dtype(stored_dtype))
+    out = host_buffer(target.numel, stored_dtype, pin=pin)
     filler = (
         None
         if base is None
@@ -170,9 +173,10 @@ def can_fill_in_place(
     dest: torch.Tensor | None,
 ) -> bool:
     """Whether :func:`fill_flat_state` can read ``state`` straight into ``dest``: a contiguous
-    CPU tensor of ``target.numel`` elements in the stored dtype, and every range the rank reads
-    present and passing its checksum (checked here, in place; nothing is copied or written)."""
-    if dest is None or dest.device.type != "cpu" or not dest.is_contiguous():
+    tensor (host, or a device reached through pinned windows) of ``target.numel`` elements in
+    the stored dtype, and every range the rank reads present and passing its checksum (checked
+    here, in place; nothing is copied or written)."""
+    if dest is None or not dest.is_contiguous():
         return False
     if dest.numel() != target.numel:
         return False
@@ -192,12 +196,18 @@ def fill_flat_state(
     dest: torch.Tensor,
     *,
     keep_gaps: bool,
+    staging_window: int | None = None,
 ) -> None:
     """Read ``state`` into ``dest`` in place (after :func:`can_fill_in_place` said yes).
 
     Elements outside the fragments keep their values if ``keep_gaps`` (the live fp32 weights),
-    else become zero (optimizer states, as :func:`read_flat_state` gives them).
+    else become zero (optimizer states, as :func:`read_flat_state` gives them). A device
+    ``dest`` (a CUDA engine's partitions) is filled through two pinned host windows
+    (:class:`~ucformat.read.staging.DeviceStaging`): no host copy of its size is made.
     """
+    if dest.device.type != "cpu" or staging_window is not None:
+        _fill_staged(ckpt, target, fragments, state, tally, dest, keep_gaps, staging_window)
+        return
     out = dest.detach().numpy() if dest.dtype != torch.bfloat16 else None
     if out is None:  # bfloat16: its bits, as the store holds them
         out = dest.detach().view(torch.int16).numpy().view(np.uint16)
@@ -220,6 +230,98 @@ def fill_flat_state(
         tally.note(ref, fragment.param_start, fragment.param_stop)
     for name, group in spans.items():
         _read_span(ckpt, ckpt.array_ref(name, state), group, out, tally)
+
+
+def _fill_staged(
+    ckpt: UniversalCheckpoint,
+    target: FlatTarget,
+    fragments: Sequence[Fragment],
+    state: str,
+    tally: ReadTally,
+    dest: torch.Tensor,
+    keep_gaps: bool,
+    window: int | None,
+) -> None:
+    """:func:`fill_flat_state` into a device tensor: gaps zeroed on the device, each fragment
+    (a tensor-parallel span: runs of consecutive fragments) read into a pinned window and
+    copied to its place, window by window. ``window``: the windows' bytes (a test drives the
+    staging with small windows on a host tensor; None: the default on a device)."""
+    flat = dest.detach().reshape(-1)
+    if not keep_gaps:
+        gap = 0
+        for low, high in sorted(
+            (f.partition_start, f.partition_start + f.length) for f in fragments
+        ):
+            if gap < low:
+                flat[gap:low].zero_()
+            gap = max(gap, high)
+        if gap < target.numel:
+            flat[gap : target.numel].zero_()
+    if not fragments:
+        return
+    dtype = ckpt.array_ref(fragments[0].name, state).dtype
+    options = {} if window is None else {"window_bytes": window}
+    staging = DeviceStaging(flat, dtype, pin=None if window is None else False, **options)
+    spans = _spans(fragments)
+    for fragment in fragments:
+        ref = ckpt.array_ref(fragment.name, state)
+        tally.bytes_needed += fragment.length * itemsize(ref.dtype)
+        tally.note(ref, fragment.param_start, fragment.param_stop)
+        if fragment.name in spans:
+            continue
+
+        staging.put_range(
+            fragment.partition_start, fragment.length, _range_reader(ckpt, ref, fragment)
+        )
+    for name, group in spans.items():
+        ref = ckpt.array_ref(name, state)
+        for piece in _runs_of_consecutive(group, staging.per_window):
+            low = piece[0].partition_start
+            count = piece[-1].partition_start + piece[-1].length - low
+            runs = [(f.param_start, f.param_stop, f.partition_start - low) for f in piece]
+            staging.put(low, count, lambda out, r=ref, runs=runs: ckpt.read_runs_into(r, runs, out))
+    staging.finish()
+
+
+def _range_reader(
+    ckpt: UniversalCheckpoint, ref: ArrayRef, fragment: Fragment
+) -> Callable[[np.ndarray, int, int], None]:
+    """``read(out, at, n)``: elements ``[at, at + n)`` of ``fragment`` into ``out``."""
+
+    def read(out: np.ndarray, at: int, n: int) -> None:
+        start = fragment.param_start + at
+        ckpt.read_range_into(ref, start, start + n, out)
+
+    return read
+
+
+def _runs_of_consecutive(group: Sequence[Fragment], limit: int) -> list[list[Fragment]]:
+    """``group``'s fragments in partition order, cut into pieces of consecutive fragments
+    (each starting where the previous ends) of at most ``limit`` elements; a fragment longer
+    than ``limit`` is cut into parts of it."""
+    pieces: list[list[Fragment]] = []
+    for fragment in sorted(group, key=lambda f: f.partition_start):
+        for at in range(0, fragment.length, limit):
+            part = (
+                fragment
+                if fragment.length <= limit
+                else replace(
+                    fragment,
+                    param_start=fragment.param_start + at,
+                    partition_start=fragment.partition_start + at,
+                    length=min(limit, fragment.length - at),
+                )
+            )
+            last = pieces[-1] if pieces else None
+            if (
+                last is not None
+                and last[-1].partition_start + last[-1].length == part.partition_start
+                and part.partition_start + part.length - last[0].partition_start <= limit
+            ):
+                last.append(part)
+            else:
+                pieces.append([part])
+    return pieces
 
 
 def _spans(fragments: Sequence[Fragment]) -> dict[str, list[Fragment]]:

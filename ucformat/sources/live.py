@@ -137,11 +137,16 @@ class HostCopies:
 
     ``always``: copy every tensor (an asynchronous save must not see later training steps);
     otherwise CPU tensors are used in place and only device tensors are copied. Copies of
-    device tensors go to pinned memory when CUDA is available.
+    device tensors go to pinned (page-locked) memory when ``pin`` says so (default: CUDA is
+    available), copied asynchronously (``non_blocking``) and waited for once, in :meth:`wait`.
     """
 
     always: bool
     nbytes: int = 0
+    #: Bytes of the copies in pinned memory (device tensors staged for the writer).
+    pinned_bytes: int = 0
+    #: Whether copies of device tensors are pinned; None: when CUDA is available.
+    pin: bool | None = None
     _pending: list[torch.Tensor] = field(default_factory=list)
 
     def host(self, tensor: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -154,11 +159,14 @@ class HostCopies:
         local = flat.device.type == "cpu" and flat.dtype == target and flat.is_contiguous()
         if local and not self.always:
             return flat
-        pinned = flat.device.type != "cpu" and torch.cuda.is_available()
+        pin = torch.cuda.is_available() if self.pin is None else self.pin
+        pinned = flat.device.type != "cpu" and pin
         copy = torch.empty(flat.numel(), dtype=target, pin_memory=pinned)
         copy.copy_(flat, non_blocking=pinned)
-        self.nbytes += copy.numel() * copy.element_size()
+        size = copy.numel() * copy.element_size()
+        self.nbytes += size
         if pinned:
+            self.pinned_bytes += size
             self._pending.append(copy)
         return copy
 
@@ -167,5 +175,6 @@ class HostCopies:
         if self._pending:
             import torch
 
-            torch.cuda.synchronize()
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
             self._pending.clear()

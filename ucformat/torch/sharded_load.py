@@ -40,6 +40,7 @@ from ucformat.format.pyvalue import decode
 from ucformat.format.spec import FP32_STATE, STEP_STATE
 from ucformat.read.checkpoint import BUFFER_STATE, UniversalCheckpoint, scalar_value
 from ucformat.read.model_match import match_model, refuse_mismatch
+from ucformat.read.staging import wants_pinned
 from ucformat.torch.dtensor import LocalShard, local_shard, persistent_buffers
 from ucformat.torch.optim_groups import merged_group, torch_step_tensor
 
@@ -119,12 +120,14 @@ def _read_param(
     entry = manifest.params[owner]
     shard = local_shard(name, param)
     read = _ParamRead(name, param, shard)
-    # An empty shard (no runs) reads nothing and gives empty tensors.
-    read.fp32 = ckpt.read_runs(owner, FP32_STATE, shard.runs)
+    # An empty shard (no runs) reads nothing and gives empty tensors; a shard on a CUDA device
+    # is read into pinned host memory (its one host copy, then one DMA each).
+    pin = wants_pinned(shard.local.device)
+    read.fp32 = ckpt.read_runs(owner, FP32_STATE, shard.runs, pin=pin)
     needed = shard.numel * itemsize(ckpt.array_ref(owner, FP32_STATE).dtype)
     for key in state_keys:
         if key in entry.states:
-            read.states[key] = ckpt.read_runs(owner, key, shard.runs)
+            read.states[key] = ckpt.read_runs(owner, key, shard.runs, pin=pin)
             needed += shard.numel * itemsize(entry.states[key].dtype)
     if state_keys:
         read.scalars = {k: scalar_value(s) for k, s in entry.scalars.items()}

@@ -59,6 +59,8 @@ class SaveReport:
     #: Bytes this rank copied to host memory (``save_async``: everything it writes; ``save``:
     #: only tensors that live on a device).
     host_copy_bytes: int
+    #: Of them, the bytes copied from a device into pinned (page-locked) memory.
+    pinned_bytes: int
     #: Seconds the caller was blocked (``save``: the whole save; ``save_async``: the copy).
     blocked_seconds: float
     #: Seconds from the call to the commit.
@@ -198,6 +200,7 @@ def write_live_save(
         bytes_received=spread.bytes_received,
         exchange_rounds=spread.exchange_rounds,
         host_copy_bytes=save.target.copies.nbytes,
+        pinned_bytes=save.target.copies.pinned_bytes,
         blocked_seconds=seconds if blocked is None else blocked,
         seconds=seconds,
         plan_kept=save.kept,
