@@ -14,6 +14,7 @@ them into reads of exactly the flat ranges the rank owns. Two ways:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 
@@ -279,8 +280,14 @@ def _fill_staged(
             low = piece[0].partition_start
             count = piece[-1].partition_start + piece[-1].length - low
             runs = [(f.param_start, f.param_stop, f.partition_start - low) for f in piece]
-            staging.put(low, count, lambda out, r=ref, runs=runs: ckpt.read_runs_into(r, runs, out))
+            staging.put(low, count, functools.partial(_read_runs, ckpt, ref, runs))
     staging.finish()
+
+
+def _read_runs(
+    ckpt: UniversalCheckpoint, ref: ArrayRef, runs: list[tuple[int, int, int]], out: np.ndarray
+) -> None:
+    ckpt.read_runs_into(ref, runs, out)
 
 
 def _range_reader(

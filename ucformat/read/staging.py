@@ -17,6 +17,7 @@ read that must be whole before anything is written (pinned when its destination 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -53,6 +54,12 @@ def host_buffer(count: int, dtype: str, *, pin: bool = False) -> np.ndarray:
         return prefaulted_empty(count, storage)
     raw = torch.empty(count * storage.itemsize, dtype=torch.uint8, pin_memory=True)
     return raw.numpy().view(storage)
+
+
+def _read_part(
+    read: Callable[[np.ndarray, int, int], None], at: int, count: int, out: np.ndarray
+) -> None:
+    read(out, at, count)
 
 
 class DeviceStaging:
@@ -111,7 +118,7 @@ class DeviceStaging:
         # the stored bytes are the logical dtype's (bfloat16: its bit patterns)
         self.dest[start : start + count].copy_(window.view(self.dest.dtype), non_blocking=self.pin)
         if self.pin and self.dest.is_cuda:
-            recorded = torch.cuda.Event()
+            recorded = torch.cuda.Event()  # type: ignore[no-untyped-call]
             recorded.record()
             self._events[turn] = recorded
         self.pieces += 1
@@ -123,7 +130,7 @@ class DeviceStaging:
         n)`` writes elements ``[offset, offset + n)`` of the range into ``out``."""
         for offset in range(0, count, self.per_window):
             n = min(self.per_window, count - offset)
-            self.put(start + offset, n, lambda out, at=offset, size=n: read(out, at, size))
+            self.put(start + offset, n, functools.partial(_read_part, read, offset, n))
 
     def finish(self) -> None:
         """Wait for every copy still in flight (the windows may then be freed or reused)."""
