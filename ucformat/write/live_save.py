@@ -23,6 +23,7 @@ A binding only turns its framework's live state into a plan; the rest is the sam
 
 from __future__ import annotations
 
+import contextlib
 import time
 import weakref
 from collections.abc import Callable
@@ -111,6 +112,20 @@ class _Kept:
 _KEPT: weakref.WeakKeyDictionary[Any, _Kept] = weakref.WeakKeyDictionary()
 
 
+def _kept(owner: Any) -> _Kept | None:
+    """The plan kept for ``owner`` (None: none yet, or an owner that cannot be referenced
+    weakly, whose plans are not kept)."""
+    try:
+        return _KEPT.get(owner)
+    except TypeError:
+        return None
+
+
+def _keep(owner: Any, kept: _Kept) -> None:
+    with contextlib.suppress(TypeError):  # an owner without weak references keeps nothing
+        _KEPT[owner] = kept
+
+
 def prepare_live_save(
     store: StoreLike,
     *,
@@ -140,7 +155,7 @@ def prepare_live_save(
     failure: Exception | None = None
     prepared: LiveSave | None = None
     try:
-        kept = _KEPT.get(owner)
+        kept = _kept(owner)
         if kept is not None and kept.world_size != ranks.world_size:
             kept = None
         planned = plan(target, None if kept is None else kept.layout)
@@ -150,7 +165,7 @@ def prepare_live_save(
         else:
             writers = writers_by_holdings(holdings(planned), ranks.world_size)
             if planned.layout is not None:
-                _KEPT[owner] = _Kept(planned.layout, writers, ranks.world_size)
+                _keep(owner, _Kept(planned.layout, writers, ranks.world_size))
         prepared = LiveSave(
             target, planned, writers, open_store(store, read_only=False), kept=reused
         )
