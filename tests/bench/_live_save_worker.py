@@ -22,7 +22,9 @@ each timed between barriers, slowest rank reported:
 * with ``"s3": "s3://bucket/prefix"`` in ``J`` (the local S3 server), then ``save`` and
   ``save_async`` (blocked and total, one training step meanwhile) to fresh prefixes under it.
 
-With ``"repeat": N``, each pair runs N times in alternating order; ``times`` are medians.
+With ``"repeat": N``, each pair runs N times in alternating order; ``times`` are medians. The
+first ucformat save of the launch plans the store; every later one takes the engine's kept plan
+(``plan_kept`` in the result, per timed save).
 """
 
 from __future__ import annotations
@@ -125,6 +127,7 @@ def main() -> int:
         return result
 
     copied, report, async_report = 0, None, None
+    kept: list[bool] = []  # per timed save: whether it took the engine's kept plan
     for index in range(repeat):  # each pair in alternating order
         order = -1 if index % 2 else 1
 
@@ -147,6 +150,8 @@ def main() -> int:
         ]  # fmt: skip
         for name, action, base in pair[::order]:
             result = timed(name, action, base)
+            if name in ("save", "save_nofsync"):
+                kept.append(bool(result.plan_kept))  # type: ignore[attr-defined]
             if name == "save":
                 report = result
         for name in ("copy_floor", "save_async")[::order]:
@@ -184,6 +189,7 @@ def main() -> int:
             "save_bytes_written_rank0": report.bytes_written,  # type: ignore[attr-defined]
             "save_bytes_received_rank0": report.bytes_received,  # type: ignore[attr-defined]
             "async_host_copy_bytes_rank0": async_report.host_copy_bytes,  # type: ignore[attr-defined]
+            "plan_kept": kept,
         }, indent=1))  # fmt: skip
     dist.barrier()
     dist.destroy_process_group()
