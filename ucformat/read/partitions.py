@@ -137,11 +137,8 @@ def read_flat_state(
         if base is None
         else base.detach().to("cpu", torch.float32 if stored_dtype == "float32" else None).numpy()
     )
-    gap = 0  # every element is written once: from the store, else from base, else zero
-    for low, high in sorted((f.partition_start, f.partition_start + f.length) for f in fragments):
-        _fill(out, gap, low, filler)
-        gap = high
-    _fill(out, gap, target.numel, filler)
+    for low, high in _gaps(fragments, target.numel):  # from the store, else base, else zero
+        _fill(out, low, high, filler)
     spans = _spans(fragments)
     for fragment in fragments:
         ref = refs[fragment.name]
@@ -206,20 +203,17 @@ def fill_flat_state(
     ``dest`` (a CUDA engine's partitions) is filled through two pinned host windows
     (:class:`~ucformat.read.staging.DeviceStaging`): no host copy of its size is made.
     """
+    gaps = [] if keep_gaps else _gaps(fragments, target.numel)
     if dest.device.type != "cpu" or staging_window is not None:
-        _fill_staged(ckpt, target, fragments, state, tally, dest, keep_gaps, staging_window)
+        for low, high in gaps:
+            dest.detach().reshape(-1)[low:high].zero_()
+        _fill_staged(ckpt, fragments, state, tally, dest, staging_window)
         return
     out = dest.detach().numpy() if dest.dtype != torch.bfloat16 else None
     if out is None:  # bfloat16: its bits, as the store holds them
         out = dest.detach().view(torch.int16).numpy().view(np.uint16)
-    if not keep_gaps:
-        gap = 0
-        for low, high in sorted(
-            (f.partition_start, f.partition_start + f.length) for f in fragments
-        ):
-            _fill(out, gap, low, None)
-            gap = high
-        _fill(out, gap, target.numel, None)
+    for low, high in gaps:
+        _fill(out, low, high, None)
     spans = _spans(fragments)
     for fragment in fragments:
         if fragment.name in spans:
@@ -235,29 +229,17 @@ def fill_flat_state(
 
 def _fill_staged(
     ckpt: UniversalCheckpoint,
-    target: FlatTarget,
     fragments: Sequence[Fragment],
     state: str,
     tally: ReadTally,
     dest: torch.Tensor,
-    keep_gaps: bool,
     window: int | None,
 ) -> None:
-    """:func:`fill_flat_state` into a device tensor: gaps zeroed on the device, each fragment
-    (a tensor-parallel span: runs of consecutive fragments) read into a pinned window and
-    copied to its place, window by window. ``window``: the windows' bytes (a test drives the
-    staging with small windows on a host tensor; None: the default on a device)."""
+    """:func:`fill_flat_state`'s fragments into a device tensor: each fragment (a
+    tensor-parallel span: runs of consecutive fragments) read into a pinned window and copied
+    to its place, window by window. ``window``: the windows' bytes (a test drives the staging
+    with small windows on a host tensor; None: the default on a device)."""
     flat = dest.detach().reshape(-1)
-    if not keep_gaps:
-        gap = 0
-        for low, high in sorted(
-            (f.partition_start, f.partition_start + f.length) for f in fragments
-        ):
-            if gap < low:
-                flat[gap:low].zero_()
-            gap = max(gap, high)
-        if gap < target.numel:
-            flat[gap : target.numel].zero_()
     if not fragments:
         return
     dtype = ckpt.array_ref(fragments[0].name, state).dtype
@@ -270,7 +252,6 @@ def _fill_staged(
         tally.note(ref, fragment.param_start, fragment.param_stop)
         if fragment.name in spans:
             continue
-
         staging.put_range(
             fragment.partition_start, fragment.length, _range_reader(ckpt, ref, fragment)
         )
@@ -370,6 +351,19 @@ def _read_span(
         ]
         tally.bytes_needed += fragment.length * itemsize(ref.dtype)
     tally.note(ref, low, high)
+
+
+def _gaps(fragments: Sequence[Fragment], numel: int) -> list[tuple[int, int]]:
+    """The ranges of a flat partition of ``numel`` elements no fragment covers, in order."""
+    gaps: list[tuple[int, int]] = []
+    at = 0
+    for low, high in sorted((f.partition_start, f.partition_start + f.length) for f in fragments):
+        if at < low:
+            gaps.append((at, low))
+        at = max(at, high)
+    if at < numel:
+        gaps.append((at, numel))
+    return gaps
 
 
 def _fill(out: np.ndarray, start: int, stop: int, filler: np.ndarray | None) -> None:
