@@ -88,3 +88,29 @@ def test_a_format_3_0_manifest_over_stacks_is_refused(tmp_path: Path) -> None:
     report = ucformat.verify(forged)
     assert [p.kind for p in report.problems] == ["manifest"]
     assert "stacks are format 3.1" in report.problems[0].message
+
+
+def test_a_format_3_0_store_loads_as_the_2_0_store_of_the_same_checkpoint() -> None:
+    """The format-3.0 golden store (box chunks, one array per parameter and state) and the 2.0
+    one were converted from the same DeepSpeed checkpoint (FusedAdam in AdamW mode): both load
+    into a fresh model and AdamW with ``ucformat.torch.load`` to the same tensors."""
+    import torch
+
+    from tests.fixtures.models import build_model
+
+    def loaded(store: Path) -> tuple[dict[str, torch.Tensor], dict[int, dict[str, object]]]:
+        model, groups = build_model("ftb")
+        optimizer = torch.optim.AdamW(groups)
+        ucformat.torch.load(model, optimizer, store)
+        return model.state_dict(), optimizer.state_dict()["state"]
+
+    (old_model, old_state), (new_model, new_state) = (
+        loaded(GOLDEN / "z2-fp32-dsadam-ftb"),
+        loaded(GOLDEN / BOXES_3_0),
+    )
+    assert old_model.keys() == new_model.keys() and old_state.keys() == new_state.keys()
+    assert all(torch.equal(old_model[k], new_model[k]) for k in old_model)
+    for index, state in old_state.items():
+        for key, value in state.items():
+            other = new_state[index][key]
+            assert torch.equal(value, other) if isinstance(value, torch.Tensor) else value == other

@@ -9,8 +9,7 @@ from pathlib import Path
 import pytest
 
 import ucformat
-from ucformat.format.dtypes import itemsize
-from ucformat.layout.reads import range_read_cost
+from tests.helpers import read_cost
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "data" / "z2-fp32-dsadam-ftb-ws3"
 
@@ -37,9 +36,7 @@ def test_predicted_bytes_equal_fetched_bytes(
             ckpt.read_range(name, "fp32", start, stop)
         fetched = ckpt.stats.bytes_read - before
         requests = ckpt.stats.requests - requests_before
-        cost = range_read_cost(
-            ref.shape, ref.chunk_shape, ref.shard_shape, itemsize(ref.dtype), ranges
-        )
+        cost = read_cost(ref, ranges)  # in the geometry of its stack (format 3.1)
         assert requests == cost.requests, (trial, name, ranges)  # indexes cached, one run each
         if len(ranges) == 1:
             assert fetched == cost.total, (trial, name, ranges)
