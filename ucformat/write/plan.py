@@ -239,14 +239,18 @@ def plan_convert(
             _check_name(state, "state", f" of parameter '{name}'")
         for state, array in _format_states(param.arrays, legacy).items():
             add(state_array_path(name, state), array, f"param '{name}' state '{state}'")
-        for key, array in param.whole.items():
-            add(state_array_path(name, key), array, f"param '{name}' whole state '{key}'")
+        for whole_key, array in param.whole.items():
+            add(
+                state_array_path(name, whole_key),
+                array,
+                f"param '{name}' whole state '{whole_key}'",
+            )
     for name, array in source.buffers.items():
         _check_name(name, "buffer")
         add(buffer_array_path(name), array, f"buffer '{name}'")
-    for g, key, part in _partition_states(source):  # under each group's first member
+    for g, part_key, part in _partition_states(source):  # under each group's first member
         first = source.optimizer.groups[g].params[0]  # type: ignore[union-attr]
-        add(state_array_path(first, key), part.array, f"group {g} '{key}'")
+        add(state_array_path(first, part_key), part.array, f"group {g} '{part_key}'")
     version = options.format_version
     if version is None or is_stacked_version(version):
         refs, stored = _stacked(logical, options)
