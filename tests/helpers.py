@@ -107,6 +107,27 @@ def read_cost(ref: ArrayRef, ranges: list[tuple[int, int]], *, runs: bool = Fals
     return cost(stored.shape, stored.chunk_shape, stored.shard_shape, itemsize(ref.dtype), moved)
 
 
+def reads_cost(items: list[tuple[ArrayRef, list[tuple[int, int]]]], *, runs: bool = False) -> int:
+    """Bytes a reader fetches for flat ``ranges`` of several arrays (``(ref, ranges)`` pairs),
+    in the geometry of the zarr arrays holding them: arrays stacked in one zarr array share
+    its shards, whose indexes a reader fetches once (format 3.1), so the ranges are priced
+    together per stored array."""
+    from ucformat.format.dtypes import itemsize
+    from ucformat.format.stacks import placement
+    from ucformat.layout.reads import range_read_cost, runs_read_cost
+
+    by_stored: dict[str, tuple[Any, int, list[tuple[int, int]]]] = {}
+    for ref, ranges in items:
+        stored, offset = placement(ref)
+        held = by_stored.setdefault(stored.path, (stored, itemsize(ref.dtype), []))
+        held[2].extend((offset + a, offset + b) for a, b in ranges)
+    cost = runs_read_cost if runs else range_read_cost
+    return sum(
+        cost(stored.shape, stored.chunk_shape, stored.shard_shape, size, sorted(ranges)).total
+        for stored, size, ranges in by_stored.values()
+    )
+
+
 def chunk_place(ref: ArrayRef, coords: tuple[int, ...]) -> tuple[str, int, int]:
     """The key of the shard object holding chunk ``coords`` (in the logical array's own chunk
     grid) of ``ref``, the chunk's entry in that shard's index, and the index's entries."""
