@@ -79,8 +79,8 @@ def test_pp_tp_converts_like_the_training_job_holds_it(case_dir: Path, store: Pa
     assert pipeline.data_parallel == 1
     tp = manifest.tensor_parallel
     assert tp is not None and tp.framework == "deepspeed-patterns" and tp.degree == 2
-    # A format-2 reader does not know the framework value: the store says 3.0 (format.md §5.3).
-    assert manifest.format_version == "3.0"
+    # Written by this writer: format 3.1, every array in a stack (format.md §5)
+    assert manifest.format_version == "3.1"
     for name, (kind, dim) in SPLITS.items():
         for layer in (name, f"{int(name[0]) + 3}{name[1:]}"):
             split = tp.params[layer]
