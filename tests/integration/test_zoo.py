@@ -81,7 +81,9 @@ def test_states_kept_per_partition_as_saved(ds_grid: Path, tmp_path: Path) -> No
     assert sorted(states) == ["peak", "tensor_step"]
     assert states["tensor_step"].replicated and not states["peak"].replicated
     assert states["peak"].partitions == 2 and states["peak"].shape == [1]
-    assert states["peak"].array.path == "params/fc1.weight/peak"
+    peak = states["peak"].array  # stored in a stack (format 3.1): one row per partition
+    assert peak.path.startswith("stacks/") and peak.stack is not None
+    assert peak.shape == [2, 1] and peak.dtype == "float32"
     assert_store_matches_truth(
         ucformat.open(tmp_path / "s"), load_truth(ds_grid / "z2-fp32-fact-simple-ws2")
     )
