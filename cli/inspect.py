@@ -50,8 +50,15 @@ def inspect_command(
     columns: tuple[str, ...] = ("name", "shape", "dtype", "group", "states", "size")
     typer.echo(render_table("parameters", columns, params, right_aligned=frozenset({"size"})))
     if summary.groups:
-        groups = [(str(index), str(count), hyper) for index, count, hyper in summary.groups]
+        per_partition = summary.partition_states  # format 3.1: states kept once per partition
+        groups: list[tuple[str, ...]] = [
+            (str(index), str(count), hyper)
+            + ((per_partition.get(index, "-"),) if per_partition else ())
+            for index, count, hyper in summary.groups
+        ]
         columns = ("group", "params", "hyper-parameters")
+        if per_partition:
+            columns = (*columns, "states per ZeRO partition")
         typer.echo("\n" + render_table("optimizer groups", columns, groups))
     if summary.buffers:
         buffers = [(name, _shape(shape), dtype) for name, shape, dtype in summary.buffers]

@@ -4,12 +4,18 @@ Supports the three ZeRO optimizer wrappers of DeepSpeed 0.19 (``DeepSpeedZeroOpt
 ``BF16_Optimizer``, ``DeepSpeedZeroOptimizer_Stage3``). The partition *ranges* are computed by
 :mod:`ucformat.layout.partition` from the engine's parameter order and world size; the engine's
 own buffer lengths are only used to cross-check them.
+
+One state of a flat partition is not elementwise in it: DeepSpeed's Muon (``MuonWithAuxAdam``)
+at ZeRO-1/2 keeps a Muon group's ``momentum_buffer`` as one whole copy of every parameter the
+rank's partition touches, end to end in flat order (Muon orthogonalizes whole matrices). The view
+names such keys per target (:attr:`EngineView.whole_copies`); the loader fills them from each
+touched parameter's whole array (:mod:`ucformat.deepspeed.odd_states`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -23,7 +29,18 @@ from ucformat.layout.partition import PartitionedFlatLayout, PerParamLayout
 from ucformat.layout.tensor_parallel import ShardMap
 from ucformat.read.partitions import FlatTarget
 
-__all__ = ["EngineView", "describe_engine", "engine_names", "name_of", "restore_loss_scaler"]
+__all__ = [
+    "MUON_BUFFER",
+    "EngineView",
+    "describe_engine",
+    "engine_names",
+    "name_of",
+    "restore_loss_scaler",
+]
+
+#: The state DeepSpeed's Muon keeps per ZeRO-1/2 partition as whole copies of the parameters
+#: the partition touches.
+MUON_BUFFER = "momentum_buffer"
 
 #: Attributes DeepSpeed's ZeRO loss scalers (``DynamicLossScaler``) and the ZeRO-0 fp16
 #: wrappers' ``LossScaleConfig`` both have, with the same meaning.
@@ -48,6 +65,9 @@ class EngineView:
     names: dict[int, str]
     #: AutoTP: per fqn, this rank's shard of the full parameter (None: no tensor parallelism).
     shard_maps: dict[str, ShardMap] | None = None
+    #: Per target index: optimizer state keys the target keeps as whole copies of the
+    #: parameters its partition touches, end to end (DeepSpeed's Muon at ZeRO-1/2).
+    whole_copies: dict[int, frozenset[str]] = field(default_factory=dict)
 
     def named_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
         """The module's parameters under the names the store uses."""
@@ -214,7 +234,19 @@ def _zero12(engine: Any, wrapper: Any, names: dict[int, str]) -> EngineView:
         targets.append(FlatTarget(index, index, layout, rank, partition.numel()))
         fp32.append(partition)
     stage = int(engine.zero_optimization_stage())
-    return EngineView(engine, wrapper, "zero12", stage, targets, fp32, names)
+    muon = {
+        index: frozenset({MUON_BUFFER})
+        for index, params in enumerate(wrapper.round_robin_bit16_groups)
+        if _steps_by_muon(wrapper, params)
+    }
+    return EngineView(engine, wrapper, "zero12", stage, targets, fp32, names, whole_copies=muon)
+
+
+def _steps_by_muon(wrapper: Any, params: list[torch.nn.Parameter]) -> bool:
+    """Whether DeepSpeed's Muon steps this flat group (DeepSpeed's own test: a Muon optimizer,
+    and the group's parameters tagged ``use_muon``)."""
+    muon = "muon" in type(wrapper.optimizer).__name__.lower()
+    return muon and bool(params) and bool(getattr(params[0], "use_muon", False))
 
 
 def _bf16(engine: Any, wrapper: Any, names: dict[int, str]) -> EngineView:

@@ -305,6 +305,8 @@ def _read_partitions(
         for key in state_keys:
             if not any(_has_states(manifest, n, [key]) for n in target.names):
                 continue  # no member of this flat group has it: the optimizer gets no such key
+            if key in view.whole_copies.get(target.index, ()):
+                continue  # whole copies of the touched parameters (Muon): .odd_states
             if can_fill_in_place(ckpt, target, with_state[key], key, existing.get(key)):
                 part.states[key] = existing[key]
                 part.in_place.append(key)
@@ -418,8 +420,13 @@ def _write_frozen(view: EngineView, param: torch.nn.Parameter, value: torch.Tens
 
 
 def _target_step(optimizer: torch.optim.Optimizer, value: Any) -> Any:
-    """The step in the type the target optimizer expects (torch: float32 tensor; else int)."""
-    wants_tensor = type(optimizer).__module__.startswith("torch.optim")
+    """The step in the type the target optimizer expects (torch: float32 tensor; else int).
+
+    DeepSpeed's Muon steps every group that keeps a step with its auxiliary Adam (a torch
+    AdamW with ``"torch_adam": true``); without one, inline with an int step.
+    """
+    stepper = getattr(optimizer, "aux_optimizer", None) or optimizer
+    wants_tensor = type(stepper).__module__.startswith("torch.optim")
     if wants_tensor:
         return value.clone() if isinstance(value, torch.Tensor) else torch.tensor(float(value))
     return int(value.item()) if isinstance(value, torch.Tensor) else value

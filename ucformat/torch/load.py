@@ -22,7 +22,9 @@ The dicts are in torch's own ``state_dict()`` format, as an unsharded run would 
   whatever type DeepSpeed's optimizer used), ``exp_avg`` and ``exp_avg_sq`` in the parameter's
   shape; ``param_groups`` with the hyper-parameters saved in the store. A DeepSpeed FusedAdam
   store is given torch ``Adam``/``AdamW`` group keys (``decoupled_weight_decay`` is FusedAdam's
-  ``adam_w_mode``).
+  ``adam_w_mode``). States the optimizer kept whole in a shape of their own (format 3.1: a
+  1-element tensor, Adafactor-style factors) are in each parameter's state as saved; states kept
+  once per ZeRO partition fit no parameter and are refused (:mod:`ucformat.torch.odd_states`).
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from ucformat.read.checkpoint import UniversalCheckpoint, open_checkpoint, scala
 from ucformat.read.model_match import match_model, refuse_mismatch
 from ucformat.store.keys import StoreLike
 from ucformat.torch.dtensor import is_dtensor, reshard
+from ucformat.torch.odd_states import odd_states_left_out
 from ucformat.torch.optim_groups import merged_group, torch_group, torch_step_tensor
 
 __all__ = ["TorchLoadReport", "load", "model_state_dict", "optimizer_state_dict", "state_dicts"]
@@ -65,6 +68,9 @@ class TorchLoadReport:
     #: Bytes of values this rank needed (its local shards of every array it read).
     bytes_needed: int = 0
     seconds: float = 0.0
+    #: Optimizer states of the store left out (``strict=False``): those a torch optimizer has
+    #: no place for (:mod:`ucformat.torch.odd_states`).
+    skipped: list[str] = field(default_factory=list)
 
     @property
     def read_amplification(self) -> float:
@@ -110,11 +116,13 @@ def _param_state(ckpt: UniversalCheckpoint, name: str, torch_step: bool) -> dict
     for key in manifest.optimizer.state_keys:
         if key in entry.states:
             state[key] = ckpt.read(manifest.resolve(name), key)
+    for key in entry.whole_states:  # format 3.1: a state in a shape of its own, as saved
+        state[key] = ckpt.read(manifest.resolve(name), key)
     return state
 
 
 def optimizer_state_dict(
-    store: StoreLike | UniversalCheckpoint, *, torch_step: bool = True
+    store: StoreLike | UniversalCheckpoint, *, torch_step: bool = True, strict: bool = True
 ) -> dict[str, Any]:
     """The optimizer's ``state_dict()`` in torch's format (see the module docstring).
 
@@ -122,9 +130,12 @@ def optimizer_state_dict(
         store: a store path/URL/``Store`` or an opened checkpoint.
         torch_step: give ``step`` as torch's Adam keeps it (0-d float32 tensor); ``False``
             keeps the stored type (an int for DeepSpeed's FusedAdam).
+        strict: refuse a store with states kept once per ZeRO partition (no parameter's);
+            ``False`` leaves them out.
 
     Raises:
         UnsupportedExportError: the store holds no optimizer state.
+        UnsupportedCheckpointError: ``strict`` and the store keeps states per ZeRO partition.
     """
     ckpt = _open(store)
     manifest = ckpt.manifest
@@ -132,6 +143,7 @@ def optimizer_state_dict(
         raise UnsupportedExportError(
             "this store holds no optimizer state; load the model only (optimizer=None)."
         )
+    odd_states_left_out(manifest, sharded=False, strict=strict)
     state: dict[int, dict[str, Any]] = {}
     groups: list[dict[str, Any]] = []
     index = 0
@@ -249,6 +261,9 @@ def load(
         ModelMismatchError: the model or the optimizer's groups do not match the store.
         UnsupportedExportError: an optimizer was given but the store holds no optimizer state,
             or a DTensor has a ``Partial()`` placement.
+        UnsupportedCheckpointError: ``strict`` and the store holds optimizer states the
+            optimizer has no place for (kept once per ZeRO partition; kept whole, into a sharded
+            model): one line, nothing loaded.
         CollectiveError: (DTensor models) some rank could not read its part; nothing was
             loaded on this rank.
 
@@ -281,6 +296,7 @@ def load(
     if optimizer is not None:
         names = _live_names(model)
         live_groups = _check_optimizer(manifest, optimizer, names)
+        report.skipped = odd_states_left_out(manifest, sharded=False, strict=strict)
         torch_step = type(optimizer).__module__.startswith("torch.optim")
         state: dict[int, dict[str, Any]] = {}
         groups: list[dict[str, Any]] = []
@@ -325,4 +341,5 @@ def _arrays_read(manifest: CheckpointManifest, with_optimizer: bool) -> list[Arr
             for key, ref in entry.states.items()
             if key in (FP32_STATE, VALUE_STATE) or key in keys
         ]
+        refs += list(entry.whole_states.values()) if keys else []
     return refs

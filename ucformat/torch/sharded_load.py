@@ -42,6 +42,7 @@ from ucformat.read.checkpoint import BUFFER_STATE, UniversalCheckpoint, scalar_v
 from ucformat.read.model_match import match_model, refuse_mismatch
 from ucformat.read.staging import wants_pinned
 from ucformat.torch.dtensor import LocalShard, local_shard, persistent_buffers
+from ucformat.torch.odd_states import odd_states_left_out
 from ucformat.torch.optim_groups import merged_group, torch_step_tensor
 
 __all__ = ["load_sharded"]
@@ -166,6 +167,9 @@ def load_sharded(
     trainable = {
         names[id(p)] for g in (optimizer.param_groups if optimizer else []) for p in g["params"]
     }
+    if optimizer is not None:  # states kept whole or per ZeRO partition fit no shard
+        owners = {manifest.resolve(name) for name in trainable}
+        report.skipped = odd_states_left_out(manifest, sharded=True, strict=strict, names=owners)
 
     reads: list[_ParamRead] = []
     buffer_values: dict[str, torch.Tensor] = {}
