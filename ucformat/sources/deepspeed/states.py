@@ -11,7 +11,9 @@ A ZeRO-1/2 group's state tensor is, by its length on a rank:
 * the sum of the *whole* sizes of the parameters the partition touches: one whole copy of each,
   end to end (DeepSpeed's Muon keeps ``momentum_buffer`` so, a matrix touched by two ranks on
   both): elementwise too, each parameter from the first rank holding it, the other copies
-  compared byte for byte;
+  compared byte for byte. In a group saved with ``use_muon`` (DeepSpeed's Muon) this reading
+  comes first: its buffer can have the partition's length by chance (the last partition, whose
+  padding equals the head of its first matrix held by the rank before);
 * anything else (a 1-element tensor, a per-partition statistic): a state of the partition, kept
   as saved, one row per rank (format 3.1 ``partition_states``).
 """
@@ -165,6 +167,13 @@ def _equal(a: Any, a_start: int, b: TensorRef, b_start: int, numel: int) -> bool
     return bool(np.array_equal(left.view(np.uint8), right.view(np.uint8)))
 
 
+def _saved_with_muon(base: Mapping[str, Any], g: int) -> bool:
+    """Whether param group ``g`` was saved by DeepSpeed's Muon (``use_muon`` in the group)."""
+    groups = base.get("param_groups") or []
+    group = groups[g] if g < len(groups) else None
+    return isinstance(group, Mapping) and bool(group.get("use_muon", False))
+
+
 def _record_scalars(
     states: FlatStates, names: Sequence[str], scalars: Mapping[str, ScalarState], handle: TorchFile
 ) -> None:
@@ -201,6 +210,7 @@ def read_zero12_states(
     for g, shapes in enumerate(param_shapes):
         if g in skip_groups:
             continue
+        muon = not elastic and _saved_with_muon(base0, g)
         params = _numels(shapes)
         layout = PartitionedFlatLayout.build(params, world_size, paddings[g])
         for name, _ in params:
@@ -225,9 +235,10 @@ def read_zero12_states(
             wholes = _whole_params_length(fragments, params)
             for key, tensor in list(tensors.items()):
                 low = valid if elastic else size
-                if low <= tensor.numel <= size and len(tensor.shape) == 1:
+                copies = tensor.numel == wholes and len(tensor.shape) == 1 and not elastic
+                if low <= tensor.numel <= size and len(tensor.shape) == 1 and not (muon and copies):
                     continue
-                if tensor.numel == wholes and len(tensor.shape) == 1 and not elastic:
+                if copies:
                     _add_whole_copies(states, fragments, params, key, tensor, shapes, handle)
                 else:
                     states.partition.setdefault(g, {}).setdefault(key, []).append(tensor)
