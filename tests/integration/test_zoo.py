@@ -197,7 +197,7 @@ def test_inspect_lists_states_kept_whole_and_per_partition(ds_grid: Path, tmp_pa
     ucformat.convert(ds_grid / "z0-fp32-fact-multi-ws2" / "ckpt", tmp_path / "whole")
     shown = invoke("inspect", tmp_path / "whole").stdout
     assert (
-        "optimizer: Factored, states exp_avg, exp_avg_sq; scalars step; whole per parameter: "
+        "optimizer: unknown, states exp_avg, exp_avg_sq; scalars step; whole per parameter: "
         "col, peak, row, tensor_step\n"
     ) in shown
     row = next(line for line in shown.splitlines() if line.startswith("a.weight "))
@@ -207,6 +207,6 @@ def test_inspect_lists_states_kept_whole_and_per_partition(ds_grid: Path, tmp_pa
     assert row.endswith(" 336 B")  # fp32 and exp_avg: 2 x 35 x 4 B; the whole states 14 x 4 B
     ucformat.convert(ds_grid / "z2-fp32-fact-simple-ws2" / "ckpt", tmp_path / "part")
     shown = invoke("inspect", tmp_path / "part").stdout
-    assert "once per ZeRO partition: peak (group 0), tensor_step (group 0)" in shown
+    assert "once per ZeRO partition: tensor_step (group 0), peak (group 0)\n" in shown
     assert "states per ZeRO partition" in shown
-    assert "peak 1 x 2 partitions, tensor_step 1 x 2 partitions, equal" in shown
+    assert "  tensor_step 1 x 2 partitions (equal); peak 1 x 2 partitions\n" in shown

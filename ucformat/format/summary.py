@@ -117,7 +117,7 @@ def summarize(manifest: CheckpointManifest) -> StoreSummary:
         (name, tuple(entry.shape), entry.dtype) for name, entry in manifest.buffers.items()
     )
     per_partition = {
-        index: ", ".join(_partition_label(k, s) for k, s in group.partition_states.items())
+        index: "; ".join(_partition_label(k, s) for k, s in group.partition_states.items())
         for index, group in enumerate(optimizer.groups if optimizer else [])
         if group.partition_states
     }
@@ -171,10 +171,10 @@ def _whole_label(state: str, ref: ArrayRef) -> str:
 
 
 def _partition_label(state: str, held: PartitionState) -> str:
-    """A state kept once per ZeRO partition: ``peak 1 x 2 partitions`` (``, equal`` when every
+    """A state kept once per ZeRO partition: ``peak 1 x 2 partitions`` (`` (equal)`` when every
     partition holds the same bytes)."""
     dtype = "" if held.array.dtype == "float32" else f" {held.array.dtype}"
-    same = ", equal" if held.replicated else ""
+    same = " (equal)" if held.replicated else ""
     return f"{state} {_shape_text(held.shape)}{dtype} x {held.partitions} partitions{same}"
 
 

@@ -45,7 +45,7 @@ def odd_states_left_out(
         return []
     left: list[tuple[str, str]] = []
     for index, group in enumerate(optimizer.groups):
-        for key, held in group.partition_states.items():
+        for key, held in sorted(group.partition_states.items()):
             left.append((
                 f"optimizer group {index}'s state '{key}' (kept once per ZeRO partition, "
                 f"{held.partitions} partitions, shape {held.shape})",
@@ -57,7 +57,7 @@ def odd_states_left_out(
         for name, entry in manifest.params.items():
             if names is not None and name not in names:
                 continue
-            for key, ref in entry.whole_states.items():
+            for key, ref in sorted(entry.whole_states.items()):
                 left.append((
                     f"param '{name}''s state '{key}' (kept whole, shape {ref.shape})",
                     "this model's optimizer steps each rank's shard of the parameter; a plain "
