@@ -210,3 +210,25 @@ def test_inspect_lists_states_kept_whole_and_per_partition(ds_grid: Path, tmp_pa
     assert "once per ZeRO partition: tensor_step (group 0), peak (group 0)\n" in shown
     assert "states per ZeRO partition" in shown
     assert "  tensor_step 1 x 2 partitions (equal); peak 1 x 2 partitions\n" in shown
+
+
+def test_sharded_torch_optimizers_refuse_whole_states(ds_grid: Path, tmp_path: Path) -> None:
+    """A sharded (DTensor) model's optimizer steps each rank's shard: a state kept whole has
+    no place there (the decision ucformat.torch.load takes before reading, on every rank)."""
+    from ucformat.torch.odd_states import odd_states_left_out
+
+    manifest = ucformat.convert(ds_grid / "z0-fp32-fact-multi-ws2" / "ckpt", tmp_path / "s")
+    assert odd_states_left_out(manifest, sharded=False, strict=True) == []
+    with pytest.raises(UnsupportedCheckpointError) as info:
+        odd_states_left_out(manifest, sharded=True, strict=True)
+    assert str(info.value).startswith(
+        "param 'a.weight''s state 'col' (kept whole, shape [7]) (21 more such states) has no "
+        "place in a torch optimizer's per-parameter state: this model's optimizer steps each "
+        "rank's shard of the parameter; a plain model on one process or a ZeRO-0 DeepSpeed "
+        "engine takes it; pass strict=False"
+    )
+    left = odd_states_left_out(manifest, sharded=True, strict=False, names={"c.bias"})
+    assert left == [
+        "param 'c.bias''s state 'peak' (kept whole, shape [1])",
+        "param 'c.bias''s state 'tensor_step' (kept whole, shape [1])",
+    ]
