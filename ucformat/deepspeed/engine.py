@@ -29,14 +29,7 @@ from ucformat.layout.partition import PartitionedFlatLayout, PerParamLayout
 from ucformat.layout.tensor_parallel import ShardMap
 from ucformat.read.partitions import FlatTarget
 
-__all__ = [
-    "MUON_BUFFER",
-    "EngineView",
-    "describe_engine",
-    "engine_names",
-    "name_of",
-    "restore_loss_scaler",
-]
+__all__ = ["EngineView", "describe_engine", "engine_names", "name_of", "restore_loss_scaler"]
 
 #: The state DeepSpeed's Muon keeps per ZeRO-1/2 partition as whole copies of the parameters
 #: the partition touches.
