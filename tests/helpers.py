@@ -94,24 +94,11 @@ def shard_key(ref: ArrayRef, coords: tuple[int, ...]) -> str:
     return stored.shard_key((ref.stack.index // ref.stack.per_shard, *coords))
 
 
-def read_cost(ref: ArrayRef, ranges: list[tuple[int, int]], *, runs: bool = False) -> Any:
-    """What :mod:`ucformat.layout.reads` says reading flat ``ranges`` of ``ref`` costs, in the
-    geometry of the zarr array holding it (a stack's index is that of its shared shards)."""
-    from ucformat.format.dtypes import itemsize
-    from ucformat.format.stacks import placement
-    from ucformat.layout.reads import range_read_cost, runs_read_cost
-
-    stored, offset = placement(ref)
-    moved = [(offset + a, offset + b) for a, b in ranges]
-    cost = runs_read_cost if runs else range_read_cost
-    return cost(stored.shape, stored.chunk_shape, stored.shard_shape, itemsize(ref.dtype), moved)
-
-
-def reads_cost(items: list[tuple[ArrayRef, list[tuple[int, int]]]], *, runs: bool = False) -> int:
-    """Bytes a reader fetches for flat ``ranges`` of several arrays (``(ref, ranges)`` pairs),
-    in the geometry of the zarr arrays holding them: arrays stacked in one zarr array share
-    its shards, whose indexes a reader fetches once (format 3.1), so the ranges are priced
-    together per stored array."""
+def _stored_costs(items: list[tuple[ArrayRef, list[tuple[int, int]]]], runs: bool) -> list[Any]:
+    """What :mod:`ucformat.layout.reads` says reading flat ranges of several arrays (``(ref,
+    ranges)`` pairs) costs, one cost per zarr array holding them: arrays stacked in one zarr
+    array share its shards, whose indexes a reader fetches once (format 3.1), so their ranges
+    are priced together, in the stored array's geometry."""
     from ucformat.format.dtypes import itemsize
     from ucformat.format.stacks import placement
     from ucformat.layout.reads import range_read_cost, runs_read_cost
@@ -122,10 +109,22 @@ def reads_cost(items: list[tuple[ArrayRef, list[tuple[int, int]]]], *, runs: boo
         held = by_stored.setdefault(stored.path, (stored, itemsize(ref.dtype), []))
         held[2].extend((offset + a, offset + b) for a, b in ranges)
     cost = runs_read_cost if runs else range_read_cost
-    return sum(
-        cost(stored.shape, stored.chunk_shape, stored.shard_shape, size, sorted(ranges)).total
+    return [
+        cost(stored.shape, stored.chunk_shape, stored.shard_shape, size, sorted(ranges))
         for stored, size, ranges in by_stored.values()
-    )
+    ]
+
+
+def read_cost(ref: ArrayRef, ranges: list[tuple[int, int]], *, runs: bool = False) -> Any:
+    """What reading flat ``ranges`` of ``ref`` costs, in the geometry of the zarr array
+    holding it (a stack's index is that of its shared shards)."""
+    return _stored_costs([(ref, ranges)], runs)[0]
+
+
+def reads_cost(items: list[tuple[ArrayRef, list[tuple[int, int]]]], *, runs: bool = False) -> int:
+    """Bytes a reader fetches for flat ranges of several arrays (``(ref, ranges)`` pairs), each
+    shard index once per shard object."""
+    return sum(cost.total for cost in _stored_costs(items, runs))
 
 
 def chunk_place(ref: ArrayRef, coords: tuple[int, ...]) -> tuple[str, int, int]:
