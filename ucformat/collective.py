@@ -36,6 +36,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -47,8 +48,10 @@ __all__ = [
     "TIMEOUT_ENV",
     "Group",
     "agree",
+    "exchange_blobs",
     "exchange_bytes",
     "fingerprint",
+    "gather_ints",
     "group",
     "settle",
     "timeout",
@@ -293,7 +296,12 @@ def fingerprint(document: Any) -> str:
 
 
 def exchange_bytes(
-    payload: torch.Tensor, send_sizes: list[int], receive_sizes: list[int], group: Group
+    payload: torch.Tensor,
+    send_sizes: list[int],
+    receive_sizes: list[int],
+    group: Group,
+    *,
+    undone: str = "Nothing was committed.",
 ) -> list[torch.Tensor]:
     """All-to-all of bytes: the ``send_sizes[d]`` bytes of ``payload`` at ``sum(send_sizes[:d])``
     go to rank ``d``; returns what each rank sent here (views of one buffer).
@@ -322,10 +330,54 @@ def exchange_bytes(
             group=group.handle,
         )
     except RuntimeError as exc:
-        raise CollectiveError(
-            f"rank {group.rank}: the exchange of shard bytes broke ({_describe(exc)}); another "
-            "rank died or did not answer. Nothing was committed.",
-            rank=group.rank,
-            error_type=type(exc).__name__,
-        ) from exc
+        raise _broken(group, "the exchange of shard bytes", exc, undone) from exc
     return list(torch.split(received, receive_sizes))
+
+
+def _broken(group: Group, what: str, exc: BaseException, undone: str) -> CollectiveError:
+    return CollectiveError(
+        f"rank {group.rank}: {what} broke ({_describe(exc)}); another rank died or did not "
+        f"answer. {undone}",
+        rank=group.rank,
+        error_type=type(exc).__name__,
+    )
+
+
+def exchange_blobs(
+    blobs: list[np.ndarray], group: Group, *, undone: str = NOTHING_LOADED
+) -> list[np.ndarray]:
+    """All-to-all of byte strings of any size: ``blobs[d]`` (a 1-D ``uint8`` array) goes to
+    rank ``d``; returns what each rank sent here. Two collectives on the private gloo group:
+    the sizes, then the bytes (:func:`exchange_bytes`).
+
+    Raises:
+        CollectiveError: the exchange broke (a rank died or did not answer in time).
+    """
+    if not group.distributed:
+        return [blobs[0]]
+    sizes = torch.tensor([int(blob.nbytes) for blob in blobs], dtype=torch.int64)
+    theirs = torch.empty_like(sizes)
+    try:
+        dist.all_to_all_single(theirs, sizes, group=group.handle)
+    except RuntimeError as exc:
+        raise _broken(group, "an exchange of read plans", exc, undone) from exc
+    flat = [blob.reshape(-1).view(np.uint8) for blob in blobs]
+    payload = torch.from_numpy(np.concatenate(flat) if flat else np.empty(0, np.uint8))
+    parts = exchange_bytes(payload, sizes.tolist(), theirs.tolist(), group, undone=undone)
+    return [part.numpy() for part in parts]
+
+
+def gather_ints(
+    values: list[int], group: Group, *, undone: str = NOTHING_LOADED
+) -> list[list[int]]:
+    """Every rank's ``values`` (the same number on every rank), in rank order (all-gather on
+    the private gloo group)."""
+    if not group.distributed:
+        return [list(values)]
+    mine = torch.tensor(list(values), dtype=torch.int64)
+    out = [torch.empty_like(mine) for _ in range(group.world_size)]
+    try:
+        dist.all_gather(out, mine, group=group.handle)
+    except RuntimeError as exc:
+        raise _broken(group, "a gathering of read statistics", exc, undone) from exc
+    return [[int(v) for v in tensor.tolist()] for tensor in out]

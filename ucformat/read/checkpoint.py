@@ -230,34 +230,46 @@ class UniversalCheckpoint:
         ref = self.array_ref(name, state)
         total = sum(run.length for run in runs)
         out = host_buffer(total, ref.dtype, pin=pin)
-        if ref.shape and not is_flat_chunking(ref.shape, ref.chunk_shape):
-            self.read_runs_into(
-                ref, [(r.start, r.start + r.length, r.chunk_start) for r in runs], out
-            )
-            runs = []
-        spans = [
-            chunk_aligned_range(ref.shape, ref.chunk_shape, run.start, run.start + run.length)
-            for run in runs
-        ]
-        for _, _, members in merge_runs(spans):
-            low = min(runs[i].start for i in members)
-            high = max(runs[i].start + runs[i].length for i in members)
-            if len(members) == 1:
-                run = runs[members[0]]
-                self.read_range_into(
-                    ref, low, high, out[run.chunk_start : run.chunk_start + run.length]
-                )
-                continue
-            staged = prefaulted_empty(high - low, numpy_storage_dtype(ref.dtype))
-            self.read_range_into(ref, low, high, staged)
-            for i in members:
-                run = runs[i]
-                at = run.start - low
-                out[run.chunk_start : run.chunk_start + run.length] = staged[at : at + run.length]
+        self.fill(ref, [(r.start, r.start + r.length, r.chunk_start) for r in runs], out)
         tensor = storage_to_torch(out, ref.dtype)
         if state == FP32_STATE and tensor.dtype != torch.float32:
             tensor = tensor.to(torch.float32)
         return tensor
+
+    def fill(self, ref: ArrayRef, runs: Sequence[FlatRun], out: np.ndarray) -> None:
+        """Fill ``out`` (1-D, storage dtype) with the flat runs ``(start, stop, at)`` of the
+        logical array ``ref`` (elements ``[start, stop)`` to ``out[at:]``), every chunk
+        fetched once (:meth:`fill_stored` on the stored array holding it)."""
+        stored, offset = placement(ref)
+        moved = [(offset + start, offset + stop, at) for start, stop, at in runs]
+        self.fill_stored(stored, moved, out, self.describe(ref))
+
+    def fill_stored(
+        self, stored: StoredArray, runs: Sequence[FlatRun], out: np.ndarray, what: str = ""
+    ) -> None:
+        """Fill ``out`` (1-D, storage dtype) with the flat runs ``(start, stop, at)`` of the
+        stored array ``stored`` (a stack's runs may span several of its logical arrays; ``what``
+        names it in messages, default its path), every chunk fetched once: box chunks in one
+        read of all runs; flat chunks per range of runs whose chunk-widened spans touch (read
+        straight into place when a range is one run)."""
+        what = what or stored.path
+        runs = [run for run in runs if run[0] < run[1]]
+        if stored.shape and not is_flat_chunking(stored.shape, stored.chunk_shape):
+            self._read_runs(stored, runs, out, what)
+            return
+        spans = [chunk_aligned_range(stored.shape, stored.chunk_shape, a, b) for a, b, _ in runs]
+        for _, _, members in merge_runs(spans):
+            low = min(runs[i][0] for i in members)
+            high = max(runs[i][1] for i in members)
+            if len(members) == 1:
+                start, stop, at = runs[members[0]]
+                self._read_range(stored, start, stop, out[at : at + stop - start], what)
+                continue
+            staged = prefaulted_empty(high - low, numpy_storage_dtype(stored.dtype))
+            self._read_range(stored, low, high, staged, what)
+            for i in members:
+                start, stop, at = runs[i]
+                out[at : at + stop - start] = staged[start - low : stop - low]
 
     def check_range(self, ref: ArrayRef, start: int, stop: int) -> bool:
         """Whether flat elements ``[start, stop)`` of ``ref`` can be read in place, every chunk

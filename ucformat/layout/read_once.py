@@ -1,0 +1,297 @@
+"""Read once, job-wide: which rank reads which chunks from storage, and who gets them from it.
+
+Every rank of a collective load knows what it needs (its *demands*: per array, the cells of
+:mod:`ucformat.layout.cells` holding its elements, as rects within one shard each). The plan
+gives every needed chunk exactly one reader, preferably a rank that needs it, and tells every
+other rank that needs the chunk where it comes from. It is computed in pieces, so that no rank
+ever holds the whole job's needs:
+
+1. **homes**: each shard of each array has a home rank (:func:`home_of`, a hash of the array
+   and the shard: spread over the ranks). Each rank sends its demands to their shards' homes
+   (one all-to-all);
+2. each home plans its shards (:func:`plan_home`) from the demands it received, alone:
+
+   * the shard's cells are split into *atoms*, rects of cells that the same set of ranks
+     needs (ranks with the same demands counted as one class, so a shard every rank needs
+     costs the same as one a single rank needs);
+   * atoms, in row-major order, are joined into *blocks*: the next atom joins the block when
+     some rank needs both (so a ZeRO partition's boundary chunk goes with the rank that needs
+     the rest of it), or while the block is still too small to be worth a shard index of its
+     own (``min_bytes``: the index is fetched once per reader and shard), up to ``max_bytes``
+     (the unit of balance);
+   * each block gets one reader: the rank that needs most of its cells (least data moved),
+     then the one this home has given the fewest bytes so far, then a rotation fixed by the
+     shard (so that homes do not all favour the same ranks);
+   * replies (one more all-to-all): the reader gets ``READ`` rows (the block's atoms) and a
+     ``SEND`` row per atom and rank needing it (itself included), every other rank needing an
+     atom a ``RECV`` row naming the reader;
+
+3. the moves go in **rounds** (:func:`schedule`): the bytes from rank ``q`` to rank ``r`` are
+   the atoms both list, in the same order on both sides, cut at cell rows into rounds of at
+   most :func:`pair_cap` bytes; a rank's memory per round is at most ``budget`` (half sent,
+   half received) whatever the number of its peers, and the two ends of every pair compute the
+   same rounds without telling each other.
+
+A home's work grows with the demands it receives (about ``demands / W`` per rank on average),
+a rank's with its own demands and rows; nothing grows with ranks x arrays. The planning is
+pure: integers in, integers out (the executor, :mod:`ucformat.read.once`, moves the bytes).
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from ucformat.layout.cells import CellGrid, Rect
+
+__all__ = [
+    "RECV",
+    "READ",
+    "SEND",
+    "BlockPolicy",
+    "Demand",
+    "HomePlan",
+    "Piece",
+    "Row",
+    "home_of",
+    "pair_cap",
+    "plan_home",
+    "schedule",
+]
+
+#: Row kinds of a reply.
+READ, SEND, RECV = 0, 1, 2
+
+
+@dataclass(frozen=True)
+class Demand:
+    """Rank ``rank`` needs the cells ``rect`` (within one shard) of array ``array``."""
+
+    rank: int
+    array: int
+    rect: Rect
+
+
+@dataclass(frozen=True)
+class Row:
+    """One line of a rank's part of the plan.
+
+    ``READ``: fetch ``rect`` of ``array`` from storage (``block`` groups the rects read
+    together: one read of a block's atoms); ``SEND``: give ``rect`` to ``peer`` (this rank
+    itself: place it in its own buffers); ``RECV``: get ``rect`` from ``peer``.
+    """
+
+    kind: int
+    array: int
+    rect: Rect
+    peer: int
+    block: int = 0
+
+
+@dataclass(frozen=True)
+class BlockPolicy:
+    """How a home cuts a shard's atoms into blocks (module docstring).
+
+    A block of less than ``index_factor`` times the shard's index size (or ``min_bytes``) takes
+    the next atom even when no rank needs both, so that no reader pays an index for a sliver;
+    a block stops growing at ``max_bytes`` of values.
+    """
+
+    max_bytes: int = 4 * 1024 * 1024
+    min_bytes: int = 256 * 1024
+    index_factor: int = 128
+
+
+@dataclass
+class HomePlan:
+    """A home's plan for the shards it received demands for."""
+
+    #: Per rank, the rows it gets from this home.
+    rows: dict[int, list[Row]] = field(default_factory=dict)
+    #: Bytes of the cells some rank needs (each cell once).
+    union_bytes: int = 0
+    #: Bytes of the cells summed over the ranks needing them (what own reads would fetch).
+    demanded_bytes: int = 0
+    #: Cells stored bytes the readers fetch (chunks with their checksums).
+    read_bytes: int = 0
+    #: The next block number (``home << 32`` plus the blocks planned).
+    blocks: int = 0
+
+
+def home_of(array: int, shard: int, world_size: int) -> int:
+    """The home rank of the shard starting at cell row ``shard`` of array ``array``."""
+    return zlib.crc32(f"{array}/{shard}".encode()) % world_size
+
+
+@dataclass
+class _Atom:
+    i0: int
+    i1: int
+    j0: int
+    j1: int
+    classes: tuple[int, ...]
+
+
+def _atoms(classes: list[list[Rect]]) -> list[tuple[Rect, tuple[int, ...]]]:
+    """The shard's needed cells as rects of cells needed by the same classes, row-major:
+    row segments of equal classes, stacked where consecutive rows have the same one."""
+    needers: dict[tuple[int, int], list[int]] = {}
+    for number, rects in enumerate(classes):
+        for i0, i1, j0, j1 in rects:
+            for i in range(i0, i1):
+                for j in range(j0, j1):
+                    needers.setdefault((i, j), []).append(number)
+    segments: list[_Atom] = []
+    for (row, col), who in sorted(needers.items()):
+        key = tuple(who)
+        last = segments[-1] if segments else None
+        if last is not None and last.i0 == row and last.j1 == col and last.classes == key:
+            last.j1 = col + 1
+        else:
+            segments.append(_Atom(row, row + 1, col, col + 1, key))
+    atoms: list[_Atom] = []
+    stacking: dict[tuple[int, int, tuple[int, ...]], _Atom] = {}
+    for segment in segments:
+        key3 = (segment.j0, segment.j1, segment.classes)
+        above = stacking.get(key3)
+        if above is not None and above.i1 == segment.i0:
+            above.i1 = segment.i1
+            continue
+        stacking[key3] = segment
+        atoms.append(segment)
+    return sorted(
+        (((a.i0, a.i1, a.j0, a.j1), a.classes) for a in atoms), key=lambda x: (x[0][0], x[0][2])
+    )
+
+
+def plan_home(
+    demands: Iterable[Demand],
+    grids: Mapping[int, CellGrid],
+    world_size: int,
+    policy: BlockPolicy | None = None,
+    *,
+    home: int = 0,
+) -> HomePlan:
+    """Plan every shard that ``demands`` (all the demands this home received) touch.
+
+    Deterministic: the same demands, in any order, give the same plan. Block numbers are
+    ``home << 32 | n``: unique across homes.
+    """
+    policy = policy or BlockPolicy()
+    by_shard: dict[tuple[int, int], dict[int, list[Rect]]] = {}
+    for demand in demands:
+        grid = grids[demand.array]
+        shard = grid.shard_of(demand.rect[0])
+        by_shard.setdefault((demand.array, shard[0]), {}).setdefault(demand.rank, []).append(
+            demand.rect
+        )
+    plan = HomePlan()
+    plan.blocks = home << 32
+    load: dict[int, int] = {}
+    for array, shard_lo in sorted(by_shard):
+        grid = grids[array]
+        _plan_shard(plan, load, grid, array, grid.shard_of(shard_lo), by_shard[array, shard_lo],
+                    world_size, policy)  # fmt: skip
+    return plan
+
+
+def _plan_shard(
+    plan: HomePlan,
+    load: dict[int, int],
+    grid: CellGrid,
+    array: int,
+    shard: tuple[int, int],
+    ranks: dict[int, list[Rect]],
+    world_size: int,
+    policy: BlockPolicy,
+) -> None:
+    grouped: dict[tuple[Rect, ...], list[int]] = {}
+    for rank, rects in ranks.items():
+        grouped.setdefault(tuple(sorted(set(rects))), []).append(rank)
+    keys = sorted(grouped, key=lambda k: min(grouped[k]))
+    classes = [list(key) for key in keys]
+    members = [sorted(grouped[key]) for key in keys]
+    atoms = _atoms(classes)
+    for rect, who in atoms:
+        size = grid.nbytes(rect)
+        plan.union_bytes += size
+        plan.demanded_bytes += size * sum(len(members[c]) for c in who)
+    floor = max(policy.min_bytes, policy.index_factor * grid.shard_index_bytes())
+    rotation = zlib.crc32(f"{array}/{shard[0]}/r".encode()) % world_size
+    blocks: list[list[tuple[Rect, tuple[int, ...]]]] = []
+    common: set[int] = set()
+    size = 0
+    for rect, who in atoms:
+        nbytes = grid.nbytes(rect)
+        joins = blocks and size + nbytes <= max(policy.max_bytes, floor)
+        if joins and not (common & set(who)) and size >= floor:
+            joins = False
+        if joins:
+            blocks[-1].append((rect, who))
+            common = (common & set(who)) or set(who)
+            size += nbytes
+        else:
+            blocks.append([(rect, who)])
+            common, size = set(who), nbytes
+    for block in blocks:
+        need: dict[int, int] = {}
+        for rect, who in block:
+            cells = (rect[1] - rect[0]) * (rect[3] - rect[2])
+            for number in who:
+                need[number] = need.get(number, 0) + cells
+        candidates = [
+            (-need[number], load.get(rank, 0), (rank - rotation) % world_size, rank)
+            for number in need
+            for rank in members[number]
+        ]
+        reader = min(candidates)[3]
+        tag = plan.blocks
+        plan.blocks += 1
+        for rect, who in block:
+            nbytes = grid.nbytes(rect)
+            load[reader] = load.get(reader, 0) + nbytes
+            plan.read_bytes += grid.stored_bytes((rect[1] - rect[0]) * (rect[3] - rect[2]))
+            plan.rows.setdefault(reader, []).append(Row(READ, array, rect, reader, tag))
+            for number in who:
+                for rank in members[number]:
+                    plan.rows.setdefault(reader, []).append(Row(SEND, array, rect, rank, tag))
+                    if rank != reader:
+                        plan.rows.setdefault(rank, []).append(Row(RECV, array, rect, reader))
+
+
+# --- rounds ---------------------------------------------------------------------------------
+def pair_cap(budget: int, fan_out: int, fan_in: int) -> int:
+    """Bytes rank ``q`` sends rank ``r`` per round: half the budget shared by the larger of
+    ``q``'s receivers and ``r``'s senders (both ends compute the same)."""
+    return max(1, budget // (2 * max(1, fan_out, fan_in)))
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Cells ``rect`` of ``array`` moved in round ``round`` (a slice of an atom: ``atom`` is
+    the whole rect its reader staged, ``rect`` whole cell rows of it)."""
+
+    round: int
+    array: int
+    atom: Rect
+    rect: Rect
+    nbytes: int
+
+
+def schedule(
+    rows: Sequence[tuple[int, Rect]], grids: Mapping[int, CellGrid], cap: int
+) -> list[Piece]:
+    """The pieces of one pair's atoms ``(array, rect)`` in rounds of at most ``cap`` bytes
+    (at least one cell row per round): the same on both ends, given the same atoms."""
+    pieces: list[Piece] = []
+    current, used = 0, 0
+    for array, atom in sorted(rows):
+        grid = grids[array]
+        for rect in grid.sub_rects(atom, cap):
+            nbytes = grid.nbytes(rect)
+            if used and used + nbytes > cap:
+                current, used = current + 1, 0
+            pieces.append(Piece(current, array, atom, rect, nbytes))
+            used += nbytes
+    return pieces

@@ -1,0 +1,128 @@
+"""A rank's reads as data: which flat runs of which arrays go into which buffers.
+
+Every collective loader describes what the rank needs as a :class:`ReadBatch`: items of an
+array, its flat runs ``(start, stop, at)`` and a 1-D output buffer in the array's storage
+dtype (elements ``[start, stop)`` go to ``out[at:]``). The batch is then read one of two ways:
+
+* ``own`` (:func:`read_own`): this rank reads every item itself
+  (:meth:`~ucformat.read.checkpoint.UniversalCheckpoint.fill`: each chunk an item touches
+  fetched once);
+* ``once`` (:mod:`ucformat.read.once`): the job reads every chunk once, and each rank gets
+  its items' values from whichever rank read them.
+
+The batch holds the buffers; the plans made from it hold none (:meth:`ReadBatch.needs` gives
+the runs alone). :class:`Placement` puts values delivered for cells of an array into the
+items that need them (the copies planned by :mod:`ucformat.layout.cells`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ucformat.format.dtypes import itemsize
+from ucformat.format.models import ArrayRef
+from ucformat.layout.cells import CellGrid, Copy, NeedList, Rect, cell_grid
+from ucformat.read.checkpoint import UniversalCheckpoint
+
+__all__ = ["Placement", "ReadBatch", "ReadItem", "grid_of", "read_own"]
+
+FlatRun = tuple[int, int, int]
+
+
+@dataclass
+class ReadItem:
+    """Runs ``(start, stop, at)`` of ``ref`` that fill ``out`` (1-D, storage dtype)."""
+
+    ref: ArrayRef
+    runs: list[FlatRun]
+    out: np.ndarray
+
+    @property
+    def elements(self) -> int:
+        """Elements the item receives."""
+        return sum(stop - start for start, stop, _ in self.runs)
+
+
+@dataclass
+class ReadBatch:
+    """Everything a rank reads in one load (module docstring)."""
+
+    items: list[ReadItem] = field(default_factory=list)
+
+    def add(self, ref: ArrayRef, runs: Sequence[FlatRun], out: np.ndarray) -> None:
+        """Read the flat ``runs`` of ``ref`` into ``out`` (nothing for empty runs)."""
+        kept = [(int(a), int(b), int(at)) for a, b, at in runs if a < b]
+        if kept:
+            self.items.append(ReadItem(ref, kept, out))
+
+    def needs(self) -> dict[str, tuple[ArrayRef, list[tuple[int, int]]]]:
+        """Per array path: the array and every flat range the batch reads of it."""
+        out: dict[str, tuple[ArrayRef, list[tuple[int, int]]]] = {}
+        for item in self.items:
+            entry = out.setdefault(item.ref.path, (item.ref, []))
+            entry[1].extend((start, stop) for start, stop, _ in item.runs)
+        return out
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of values the batch needs."""
+        return sum(item.elements * itemsize(item.ref.dtype) for item in self.items)
+
+
+def read_own(ckpt: UniversalCheckpoint, batch: ReadBatch) -> None:
+    """Read every item of ``batch`` on this rank (each chunk of an item fetched once)."""
+    for item in batch.items:
+        ckpt.fill(item.ref, item.runs, item.out)
+
+
+def grid_of(ref: ArrayRef) -> CellGrid:
+    """The cells of ``ref`` (:mod:`ucformat.layout.cells`)."""
+    return cell_grid(ref.shape, ref.chunk_shape, ref.shard_shape, itemsize(ref.dtype))
+
+
+def apply(copy: Copy, source: np.ndarray, target: np.ndarray) -> None:
+    """Carry out one planned copy from ``source`` (staged values) into ``target``."""
+    if copy.rows == 1:
+        target[copy.dst : copy.dst + copy.width] = source[copy.src : copy.src + copy.width]
+        return
+    item = source.itemsize
+    src = np.lib.stride_tricks.as_strided(
+        source[copy.src :], (copy.rows, copy.width), (copy.src_stride * item, item)
+    )
+    dst = np.lib.stride_tricks.as_strided(
+        target[copy.dst :], (copy.rows, copy.width), (copy.dst_stride * item, item),
+        writeable=True,
+    )  # fmt: skip
+    dst[...] = src
+
+
+class Placement:
+    """The items of a batch by array, ready to take values delivered for cells."""
+
+    def __init__(self, batch: ReadBatch) -> None:
+        self._items: dict[str, list[tuple[ReadItem, CellGrid, NeedList]]] = {}
+        self.placed: dict[int, int] = {}
+        for item in batch.items:
+            grid = grid_of(item.ref)
+            needs = grid.out_boxes(item.runs) if grid.box else item.runs
+            self._items.setdefault(item.ref.path, []).append((item, grid, grid.index(needs)))
+
+    def place(self, path: str, rect: Rect, values: np.ndarray) -> None:
+        """Put ``values`` (the staged values of cells ``rect`` of array ``path``) into every
+        item that needs some of them."""
+        for item, grid, needs in self._items.get(path, ()):
+            for _, copy in grid.copies(rect, 0, needs):
+                apply(copy, values, item.out)
+                self.placed[id(item)] = self.placed.get(id(item), 0) + copy.elements
+
+    def missing(self) -> list[str]:
+        """Items not wholly placed: ``"<path>: <placed> of <needed> elements"``."""
+        return [
+            f"{item.ref.path}: {self.placed.get(id(item), 0)} of {item.elements} elements"
+            for entries in self._items.values()
+            for item, _, _ in entries
+            if self.placed.get(id(item), 0) != item.elements
+        ]
