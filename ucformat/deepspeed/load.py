@@ -5,13 +5,16 @@ Call it on every rank after ``deepspeed.initialize``, at any world size and ZeRO
     engine, *_ = deepspeed.initialize(config=cfg, model=model, model_parameters=...)
     report = ucformat.deepspeed.load(engine, "ckpt.ucf")
 
-Algorithm (per rank, no collective for the reads):
+Algorithm (per rank):
 
 1. open the store and compare the engine's parameters with the manifest (names, shapes,
    trainable or frozen); with ``strict=True`` any difference fails here, before anything changes;
 2. compute the rank's flat partitions from the engine's parameter order and world size
-   (:mod:`ucformat.layout.partition`) and read exactly those ranges of ``fp32`` and of every
-   optimizer state into new tensors (frozen params and buffers: what the rank holds);
+   (:mod:`ucformat.layout.partition`): the ranges of ``fp32`` and of every optimizer state it
+   needs (frozen params and buffers: what the rank holds). ``read="own"``: read exactly those
+   (no collective), checked in place or into new tensors. ``read="once"`` (or ``"auto"`` where
+   ranks share chunks: tensor-parallel replicas, chunks cut by partitions): the job reads every
+   chunk once and shares it (:mod:`ucformat.read.shared`), into new tensors;
 3. only then write into the engine: fp32 partitions, optimizer state and step, param-group
    hyper-parameters, frozen params, buffers, lr scheduler, loss scaler, counters; finally the
    training-dtype weights are refreshed from fp32 (ZeRO-1/2 all-gathers them, as DeepSpeed does;
@@ -22,6 +25,7 @@ Algorithm (per rank, no collective for the reads):
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,16 +45,19 @@ from ucformat.format.names import model_named
 from ucformat.format.pyvalue import decode
 from ucformat.format.spec import BUFFER_STATE, FP32_STATE, STEP_STATE
 from ucformat.layout.partition import Fragment
+from ucformat.read.batch import Pending, ReadBatch, add_need
 from ucformat.read.checkpoint import UniversalCheckpoint, open_checkpoint, scalar_value
 from ucformat.read.model_match import match_model, refuse_mismatch
 from ucformat.read.partitions import (
     FlatTarget,
     ReadTally,
+    batch_flat_state,
     can_fill_in_place,
     fill_flat_state,
     rank_fragments,
     read_flat_state,
 )
+from ucformat.read.shared import ReadOutcome, check_mode, job_totals, plan_reads, read_planned
 from ucformat.read.staging import wants_pinned
 from ucformat.store.keys import StoreLike
 
@@ -80,6 +87,21 @@ class LoadReport:
     #: when they went through new tensors (docs/loading.md, "How a rank reads only its
     #: partition").
     read_in_place: bool = False
+    #: How the job read: ``"once"`` (each chunk once job-wide, then shared over the process
+    #: group) or ``"own"`` (each rank its own bytes); see ``read=`` of :func:`load`.
+    read_mode: str = "own"
+    #: Bytes this rank sent to and received from other ranks (``"once"``).
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    #: Job-wide (summed over the ranks; None in one process): bytes fetched from storage,
+    #: requests, bytes exchanged, bytes needed (replicas counted each time).
+    job_bytes_read: int | None = None
+    job_requests: int | None = None
+    job_bytes_exchanged: int | None = None
+    job_bytes_needed: int | None = None
+    #: Bytes of the chunks some rank needed, each chunk once (what storage must serve at the
+    #: least); known where the job planned its reads together (``read`` not ``"own"``).
+    job_chunk_bytes_needed: int | None = None
 
     @property
     def read_amplification(self) -> float:
@@ -95,6 +117,7 @@ def load(
     load_lr_scheduler_states: bool = True,
     load_module_extras: bool = True,
     strict: bool = True,
+    read: str = "auto",
 ) -> LoadReport:
     """Load a ucformat store into a DeepSpeed ZeRO engine on this rank.
 
@@ -107,6 +130,11 @@ def load(
         load_module_extras: restore frozen parameters and buffers.
         strict: fail (before modifying anything) when the engine's parameters differ from the
             store's; ``False`` loads the intersection and lists the rest in the report.
+        read: ``"once"``: every chunk is fetched from storage by one rank and shared over the
+            job's process group; ``"own"``: every rank reads its own ranges (checked in place
+            where it can, no collective before the agreement); ``"auto"`` (default): once
+            where the ranks share chunks (docs/loading.md, "Read once"). The engine ends the
+            same bit for bit either way.
 
     Returns:
         A :class:`LoadReport`, including the client state saved with the checkpoint.
@@ -119,6 +147,7 @@ def load(
             the ranks and their errors); nothing was written on any rank.
     """
     started = time.perf_counter()
+    check_mode(read)
     ckpt = store if isinstance(store, UniversalCheckpoint) else open_checkpoint(store)
     before, requests_before = ckpt.stats.bytes_read, ckpt.stats.requests
     manifest = ckpt.manifest
@@ -147,7 +176,7 @@ def load(
     odd_values: list[torch.Tensor] = []
 
     def read_everything() -> tuple[list[_FlatRead], dict[str, torch.Tensor], dict[str, Any]]:
-        parts = _read_partitions(ckpt, view, state_keys, tally)
+        parts = _read_partitions(ckpt, view, _layout(ckpt, view, state_keys), state_keys, tally)
         frozen_values = {
             name: _read_frozen(ckpt, view, name, param, tally)
             for name, param in frozen.items()
@@ -162,13 +191,40 @@ def load(
         odd_values.extend(read_odd_states(ckpt, odd, tally))  # states not elementwise (3.1)
         return parts, frozen_values, buffer_values
 
-    failure: UCFormatError | OSError | None = None
-    try:
-        parts, frozen_values, buffer_values = read_everything()
-    except (UCFormatError, OSError) as exc:
-        failure = exc
+    ranks = group().operation()
+    plan = None
+    layout: _Layout = []
+    if read != "own" and ranks.distributed:  # the job plans its reads together
+        failure: BaseException | None = None
+        try:
+            layout = _layout(ckpt, view, state_keys)
+            needs = _needs(ckpt, view, layout, state_keys, frozen, buffers)
+        except (UCFormatError, OSError) as exc:
+            failure = exc
+        settle(failure, ranks, ckpt.where, undone=NOTHING_LOADED)
+        plan = plan_reads(ckpt, needs, ranks, read=read)
+    outcome = ReadOutcome()
+    failure = None
+    if plan is not None and plan.stats.mode == "once":
+        batch = ReadBatch()
+        staged = _batch_everything(ckpt, view, layout, state_keys, frozen, buffers, batch, tally)
+        outcome = read_planned(ckpt, plan, batch, ranks)
+        failure = outcome.failure
+        parts, frozen_values, buffer_values = staged.values() if failure is None else ([], {}, {})
+        if failure is None and odd:  # states not elementwise (3.1): whole, by their holders
+            try:
+                odd_values.extend(read_odd_states(ckpt, odd, tally))
+            except (UCFormatError, OSError) as exc:
+                failure = exc
+    else:
+        try:
+            parts, frozen_values, buffer_values = read_everything()
+        except (UCFormatError, OSError) as exc:
+            failure = exc
+        if plan is not None:
+            outcome.stats = plan.stats
     # a rank that cannot read makes every rank stop here, before anything is written
-    settle(failure, group().operation(), ckpt.where, undone=NOTHING_LOADED)
+    settle(failure, ranks, ckpt.where, undone=NOTHING_LOADED)
     report.read_in_place = all(part.fp32 is None for part in parts)
 
     # --- nothing above modified the engine; from here on, write ------------------------------
@@ -197,9 +253,21 @@ def load(
     report.client_state = {k: decode(v) for k, v in manifest.client_state.values.items()}
     report.bytes_read = ckpt.stats.bytes_read - before
     report.requests = ckpt.stats.requests - requests_before
-    planned = tally.planned()
+    planned = outcome.planned or tally.planned()
     report.planned_bytes, report.planned_requests = planned.total, planned.requests
     report.bytes_needed = tally.bytes_needed
+    report.read_mode = outcome.stats.mode
+    report.bytes_sent = outcome.stats.bytes_sent
+    report.bytes_received = outcome.stats.bytes_received
+    if outcome.stats.union_bytes:
+        report.job_chunk_bytes_needed = outcome.stats.union_bytes
+    if ranks.distributed:
+        totals = job_totals(
+            ranks, report.bytes_read, report.requests, report.bytes_sent, report.bytes_needed
+        )
+        report.job_bytes_read, report.job_requests = totals.bytes_read, totals.requests
+        report.job_bytes_exchanged = totals.bytes_exchanged
+        report.job_bytes_needed = totals.bytes_needed
     report.seconds = time.perf_counter() - started
     return report
 
@@ -274,8 +342,35 @@ class _FlatRead:
             )
 
 
+#: Per flat target: the target, its live fp32 partition, the fragments the rank holds of the
+#: store's parameters, and per optimizer state key those of them the store holds it for.
+_Layout = list[tuple[FlatTarget, torch.Tensor, list[Fragment], dict[str, list[Fragment]]]]
+
+
+def _layout(ckpt: UniversalCheckpoint, view: EngineView, state_keys: list[str]) -> _Layout:
+    """The rank's fragments, per flat target (nothing read)."""
+    manifest = ckpt.manifest
+    out: _Layout = []
+    for target, live in zip(view.targets, view.fp32, strict=True):
+        fragments = logical_fragments(
+            rank_fragments(target, (n for n in target.names if _has(manifest, n))),
+            view.shard_maps,
+        )
+        with_state = {  # a key some parameters lack (e.g. a vector's only): those that have it
+            key: [f for f in fragments if _has_states(manifest, f.name, [key])]
+            for key in _held_keys(manifest, target, state_keys)
+            if key not in view.whole_copies.get(target.index, ())  # Muon's: .odd_states
+        }
+        out.append((target, live, fragments, with_state))
+    return out
+
+
 def _read_partitions(
-    ckpt: UniversalCheckpoint, view: EngineView, state_keys: list[str], tally: ReadTally
+    ckpt: UniversalCheckpoint,
+    view: EngineView,
+    layout: _Layout,
+    state_keys: list[str],
+    tally: ReadTally,
 ) -> list[_FlatRead]:
     """Check, or read into new tensors, everything of the rank's flat partitions (no writes).
 
@@ -284,17 +379,8 @@ def _read_partitions(
     destination of the stored dtype: on a CUDA device it is filled later through two pinned
     host windows); anything else is read into a new tensor now (pinned for a CUDA engine).
     """
-    manifest = ckpt.manifest
     parts: list[_FlatRead] = []
-    for target, live in zip(view.targets, view.fp32, strict=True):
-        fragments = logical_fragments(
-            rank_fragments(target, (n for n in target.names if _has(manifest, n))),
-            view.shard_maps,
-        )
-        with_state = {  # a key some parameters lack (e.g. a vector's only): those that have it
-            key: [f for f in fragments if _has_states(manifest, f.name, [key])]
-            for key in state_keys
-        }
+    for target, live, fragments, with_state in layout:
         part = _FlatRead(target, live, fragments, with_state)
         pin = wants_pinned(live.device)  # a CUDA engine: read into pinned host memory
         if not can_fill_in_place(ckpt, target, fragments, FP32_STATE, live):
@@ -302,11 +388,7 @@ def _read_partitions(
                 ckpt, target, fragments, FP32_STATE, tally, torch.float32, base=live, pin=pin
             )
         existing = _live_states(view, target.index, state_keys)
-        for key in state_keys:
-            if not any(_has_states(manifest, n, [key]) for n in target.names):
-                continue  # no member of this flat group has it: the optimizer gets no such key
-            if key in view.whole_copies.get(target.index, ()):
-                continue  # whole copies of the touched parameters (Muon): .odd_states
+        for key in with_state:
             if can_fill_in_place(ckpt, target, with_state[key], key, existing.get(key)):
                 part.states[key] = existing[key]
                 part.in_place.append(key)
@@ -318,10 +400,130 @@ def _read_partitions(
     return parts
 
 
+def _frozen_range(view: EngineView, param: torch.Tensor, numel: int) -> tuple[int, int, bool]:
+    """The flat range of a frozen param this rank holds, and whether it is a ZeRO-3 piece
+    (else the whole parameter)."""
+    ds_tensor = getattr(param, "ds_tensor", None)
+    if view.kind == "zero3" and ds_tensor is not None:
+        piece = int(ds_tensor.ds_numel)
+        rank = torch.distributed.get_rank(group=view.wrapper._get_param_partition_group(param))
+        return min(rank * piece, numel), min((rank + 1) * piece, numel), True
+    return 0, numel, False
+
+
+def _numel(shape: Sequence[int]) -> int:
+    total = 1
+    for dim in shape:
+        total *= dim
+    return total
+
+
+def _needs(
+    ckpt: UniversalCheckpoint,
+    view: EngineView,
+    layout: _Layout,
+    state_keys: list[str],
+    frozen: dict[str, torch.nn.Parameter],
+    buffers: dict[str, torch.Tensor],
+) -> dict[str, list[tuple[int, int]]]:
+    """Per stored array path, every flat range this rank reads of it (what
+    :func:`_batch_everything` reads, and what the own reads read)."""
+    manifest = ckpt.manifest
+    needs: dict[str, list[tuple[int, int]]] = {}
+
+    def add(name: str, state: str, start: int, stop: int) -> None:
+        add_need(needs, ckpt.array_ref(name, state), start, stop)
+
+    for _, _, fragments, with_state in layout:
+        for fragment in fragments:
+            add(fragment.name, FP32_STATE, fragment.param_start, fragment.param_stop)
+        for key, holders in with_state.items():
+            for fragment in holders:
+                add(fragment.name, key, fragment.param_start, fragment.param_stop)
+    for name, param in frozen.items():
+        if _has(manifest, name):
+            owner = manifest.resolve(name)
+            start, stop, _ = _frozen_range(view, param, _numel(manifest.params[owner].shape))
+            add(owner, FP32_STATE, start, stop)
+    for name in buffers:
+        if name in manifest.buffers:
+            add(name, BUFFER_STATE, 0, _numel(manifest.buffers[name].array.shape))
+    return needs
+
+
+@dataclass
+class _Staged:
+    """Everything of the rank, as reads of a :class:`ReadBatch` (``once``)."""
+
+    parts: list[tuple[_FlatRead, Callable[[], torch.Tensor], dict[str, Callable[[], torch.Tensor]]]]
+    frozen: dict[str, Pending]
+    buffers: dict[str, Pending]
+
+    def values(self) -> tuple[list[_FlatRead], dict[str, torch.Tensor], dict[str, Any]]:
+        """The values, once the batch has been read."""
+        parts = []
+        for part, fp32, states in self.parts:
+            part.fp32 = fp32()
+            part.states = {key: finish() for key, finish in states.items()}
+            parts.append(part)
+        frozen = {name: pending.value() for name, pending in self.frozen.items()}
+        return parts, frozen, {name: pending.value() for name, pending in self.buffers.items()}
+
+
+def _batch_everything(
+    ckpt: UniversalCheckpoint,
+    view: EngineView,
+    layout: _Layout,
+    state_keys: list[str],
+    frozen: dict[str, torch.nn.Parameter],
+    buffers: dict[str, torch.Tensor],
+    batch: ReadBatch,
+    tally: ReadTally,
+) -> _Staged:
+    """What the own reads read, as reads of ``batch`` into new tensors (``once``)."""
+    manifest = ckpt.manifest
+    parts = []
+    for target, live, fragments, with_state in layout:
+        part = _FlatRead(target, live, fragments, with_state)
+        pin = wants_pinned(live.device)  # a CUDA engine: read into pinned host memory
+        fp32 = batch_flat_state(
+            ckpt, target, fragments, FP32_STATE, batch, tally, torch.float32, base=live, pin=pin
+        )
+        states = {
+            key: batch_flat_state(ckpt, target, holders, key, batch, tally, pin=pin)
+            for key, holders in with_state.items()
+        }
+        parts.append((part, fp32, states))
+    staged_frozen: dict[str, Pending] = {}
+    for name, param in frozen.items():
+        if _has(manifest, name):
+            owner = manifest.resolve(name)
+            shape = manifest.params[owner].shape
+            start, stop, piece = _frozen_range(view, param, _numel(shape))
+            pending = batch.runs(ckpt, owner, FP32_STATE, [(start, stop, 0)])
+            if not piece:
+                pending.shape = tuple(shape)
+            staged_frozen[name] = pending
+            tally.bytes_needed += (stop - start) * 4
+    staged_buffers = {
+        name: batch.whole(ckpt, name, BUFFER_STATE) for name in buffers if name in manifest.buffers
+    }
+    tally.bytes_needed += sum(manifest.buffers[n].array.nbytes for n in staged_buffers)
+    return _Staged(parts, staged_frozen, staged_buffers)
+
+
 def _live_states(view: EngineView, index: int, keys: list[str]) -> dict[str, torch.Tensor]:
     """The optimizer's existing state tensors of flat group ``index`` (those it has), flat."""
     state = view.base_optimizer.state.get(view.state_key(index), {})
     return {key: state[key].reshape(-1) for key in keys if isinstance(state.get(key), torch.Tensor)}
+
+
+def _held_keys(
+    manifest: CheckpointManifest, target: FlatTarget, state_keys: list[str]
+) -> list[str]:
+    """The optimizer state keys some member of the flat group ``target`` has in the store (the
+    optimizer gets no other key for this group)."""
+    return [k for k in state_keys if any(_has_states(manifest, n, [k]) for n in target.names)]
 
 
 def _has(manifest: CheckpointManifest, name: str) -> bool:

@@ -306,7 +306,7 @@ class CellGrid:
         if self.box:
             boxes = sorted((b for b in needs if isinstance(b, OutBox)), key=lambda b: b.y0)
             return NeedList(boxes, [b.y0 for b in boxes], _reach(b.y1 for b in boxes))
-        runs = sorted(tuple(r) for r in needs if not isinstance(r, OutBox))
+        runs = sorted((r[0], r[1], r[2]) for r in needs if not isinstance(r, OutBox))
         return NeedList(runs, [r[0] for r in runs], _reach(r[1] for r in runs))
 
     def copies(self, rect: Rect, at: int, needs: NeedList) -> list[tuple[int, Copy]]:

@@ -44,6 +44,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from ucformat.layout.cells import CellGrid, Rect
+from ucformat.layout.reads import ReadCost, range_read_cost
 
 __all__ = [
     "RECV",
@@ -57,6 +58,7 @@ __all__ = [
     "home_of",
     "pair_cap",
     "plan_home",
+    "reads_cost",
     "schedule",
 ]
 
@@ -295,3 +297,32 @@ def schedule(
             pieces.append(Piece(current, array, atom, rect, nbytes))
             used += nbytes
     return pieces
+
+
+def reads_cost(rows: Iterable[Row], grids: Mapping[int, CellGrid]) -> ReadCost:
+    """What a reader fetches for its ``READ`` rows (:mod:`ucformat.layout.reads`): each block
+    in one read (its atoms' runs, adjacent ones joined), each shard's index once."""
+    blocks: dict[int, list[Row]] = {}
+    for row in rows:
+        if row.kind == READ:
+            blocks.setdefault(row.block, []).append(row)
+    total = ReadCost(0, 0, 0, 0)
+    shards: set[tuple[int, int]] = set()
+    index_bytes = 0
+    for block in blocks.values():
+        grid = grids[block[0].array]
+        runs: list[tuple[int, int]] = []
+        for row in block:
+            shards.add((row.array, grid.shard_of(row.rect[0])[0]))
+            for start, stop, _ in grid.region_runs(row.rect, 0):
+                if runs and runs[-1][1] == start:
+                    runs[-1] = (runs[-1][0], stop)
+                else:
+                    runs.append((start, stop))
+        cost = range_read_cost(grid.shape, grid.chunk_shape, grid.shard_shape, grid.itemsize,
+                               runs, together=grid.box)  # fmt: skip
+        total += ReadCost(cost.data_bytes, 0, cost.chunks, 0, cost.data_requests, 0)
+    for array, _ in shards:
+        index_bytes += grids[array].shard_index_bytes()
+    indexed = sum(1 for array, _ in shards if grids[array].shape)
+    return total + ReadCost(0, index_bytes, 0, len(shards), 0, indexed)

@@ -17,17 +17,30 @@ items that need them (the copies planned by :mod:`ucformat.layout.cells`).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
+import torch
 
-from ucformat.format.dtypes import itemsize
+from ucformat.format.dtypes import itemsize, storage_to_torch
 from ucformat.format.models import ArrayRef
+from ucformat.format.spec import FP32_STATE
+from ucformat.format.stacks import placement
 from ucformat.layout.cells import CellGrid, Copy, NeedList, Rect, cell_grid
 from ucformat.read.checkpoint import UniversalCheckpoint
+from ucformat.read.staging import host_buffer
 
-__all__ = ["Placement", "ReadBatch", "ReadItem", "grid_of", "read_own"]
+__all__ = [
+    "Pending",
+    "Placement",
+    "ReadBatch",
+    "ReadItem",
+    "add_need",
+    "grid_of",
+    "read_own",
+]
 
 FlatRun = tuple[int, int, int]
 
@@ -70,6 +83,58 @@ class ReadBatch:
     def nbytes(self) -> int:
         """Bytes of values the batch needs."""
         return sum(item.elements * itemsize(item.ref.dtype) for item in self.items)
+
+    def runs(
+        self,
+        ckpt: UniversalCheckpoint,
+        name: str,
+        state: str,
+        runs: Sequence[FlatRun],
+        *,
+        pin: bool = False,
+    ) -> Pending:
+        """Read the flat ``runs`` of ``state`` of ``name`` into a new 1-D tensor, as
+        :meth:`~ucformat.read.checkpoint.UniversalCheckpoint.read_runs` gives them, once the
+        batch has been read (``pin``: in page-locked host memory, bound for a CUDA device)."""
+        ref = ckpt.array_ref(name, state)
+        total = sum(stop - start for start, stop, _ in runs)
+        out = host_buffer(total, ref.dtype, pin=pin)
+        self.add(ref, runs, out)
+        return Pending(out, ref.dtype, state == FP32_STATE)
+
+    def whole(self, ckpt: UniversalCheckpoint, name: str, state: str) -> Pending:
+        """Read all of ``state`` of ``name`` (in its shape), as ``ckpt.read`` gives it."""
+        ref = ckpt.array_ref(name, state)
+        pending = self.runs(ckpt, name, state, [(0, math.prod(ref.shape), 0)])
+        pending.shape = tuple(ref.shape)
+        return pending
+
+
+@dataclass
+class Pending:
+    """A tensor a :class:`ReadBatch` fills: :meth:`value` once the batch has been read."""
+
+    out: np.ndarray
+    dtype: str
+    fp32: bool
+    shape: tuple[int, ...] | None = None
+
+    def value(self) -> torch.Tensor:
+        """The values read (``fp32`` states upcast to float32, as the checkpoint reads them)."""
+        tensor = storage_to_torch(self.out, self.dtype)
+        if self.fp32 and tensor.dtype != torch.float32:
+            tensor = tensor.to(torch.float32)
+        return tensor if self.shape is None else tensor.reshape(self.shape)
+
+
+def add_need(
+    needs: dict[str, list[tuple[int, int]]], ref: ArrayRef, start: int, stop: int
+) -> None:
+    """Note in ``needs`` (per stored array path: flat ranges of it) that elements ``[start,
+    stop)`` of the logical array ``ref`` are read: the range where the stored array holding
+    ``ref`` has them (:func:`~ucformat.format.stacks.placement`)."""
+    stored, offset = placement(ref)
+    needs.setdefault(stored.path, []).append((offset + start, offset + stop))
 
 
 def read_own(ckpt: UniversalCheckpoint, batch: ReadBatch) -> None:

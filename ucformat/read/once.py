@@ -212,8 +212,7 @@ def plan_shared(
             wanted.append((a, b, at))
             at += b - a
         for rect in cells.need_rects(cells.out_boxes(wanted) if cells.box else wanted):
-            home = home_of(number, cells.shard_of(rect[0])[0], world)
-            outboxes[home].append([number, *rect])
+            outboxes[home_of(number, cells.shard_of(rect[0])[0], world)].append([number, *rect])
     received = transport.blobs([_encode(rows, _DEMAND_WIDTH) for rows in outboxes])
     demands = [
         Demand(sender, int(row[0]), (int(row[1]), int(row[2]), int(row[3]), int(row[4])))
@@ -222,7 +221,7 @@ def plan_shared(
     ]
     for demand in demands:
         grid(demand.array)
-    home = plan_home(demands, grids, world, policy, home=me)
+    home = plan_home(demands, grids, world, policy, home=me)  # this rank's shards
     replies = transport.blobs(
         [
             _encode([[r.kind, r.array, *r.rect, r.peer, r.block] for r in home.rows.get(d, [])],

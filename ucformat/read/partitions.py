@@ -9,7 +9,10 @@ them into reads of exactly the flat ranges the rank owns. Two ways:
 * :func:`can_fill_in_place` checks, before anything is written, that every range is there and
   passes its checksum and that the destination tensor can take the bytes directly; then
   :func:`fill_flat_state` reads the ranges straight into the caller's tensors (no staging
-  memory, no second copy).
+  memory, no second copy);
+* :func:`batch_flat_state` puts the same reads as :func:`read_flat_state` into a
+  :class:`~ucformat.read.batch.ReadBatch` (read ``once``, job-wide: :mod:`ucformat.read.shared`)
+  and gives the tensor once the batch is read.
 """
 
 from __future__ import annotations
@@ -28,12 +31,14 @@ from ucformat.format.stacks import StoredArray, describe_ref, placement
 from ucformat.layout.chunking import is_flat_chunking
 from ucformat.layout.partition import Fragment, PartitionedFlatLayout, PerParamLayout
 from ucformat.layout.reads import ReadCost, range_read_cost
+from ucformat.read.batch import ReadBatch
 from ucformat.read.checkpoint import UniversalCheckpoint
 from ucformat.read.staging import DeviceStaging, host_buffer
 
 __all__ = [
     "FlatTarget",
     "ReadTally",
+    "batch_flat_state",
     "can_fill_in_place",
     "fill_flat_state",
     "rank_fragments",
@@ -124,21 +129,7 @@ def read_flat_state(
     wants_pinned`), so its copy there is one DMA and no other host copy is made.
     """
     manifest = ckpt.manifest
-    refs = {f.name: ckpt.array_ref(f.name, state) for f in fragments}
-    stored = {ref.dtype for ref in refs.values()} or {"float32"}
-    if len(stored) != 1:
-        raise ValueError(f"state '{state}' has mixed dtypes {sorted(stored)} in one flat group")
-    stored_dtype = stored.pop()
-    if state == FP32_STATE and stored_dtype != "float32":
-        stored_dtype = "float32"
-    out = host_buffer(target.numel, stored_dtype, pin=pin)
-    filler = (
-        None
-        if base is None
-        else base.detach().to("cpu", torch.float32 if stored_dtype == "float32" else None).numpy()
-    )
-    for low, high in _gaps(fragments, target.numel):  # from the store, else base, else zero
-        _fill(out, low, high, filler)
+    refs, stored_dtype, out = _partition_buffer(ckpt, target, fragments, state, base, pin)
     spans = _spans(fragments)
     for fragment in fragments:
         ref = refs[fragment.name]
@@ -161,6 +152,45 @@ def read_flat_state(
     if dtype is not None and tensor.dtype != dtype:
         tensor = tensor.to(dtype)
     return tensor
+
+
+def batch_flat_state(
+    ckpt: UniversalCheckpoint,
+    target: FlatTarget,
+    fragments: Sequence[Fragment],
+    state: str,
+    batch: ReadBatch,
+    tally: ReadTally,
+    dtype: torch.dtype | None = None,
+    base: torch.Tensor | None = None,
+    pin: bool = False,
+) -> Callable[[], torch.Tensor]:
+    """:func:`read_flat_state`, its reads added to ``batch``: call the result once the batch
+    has been read for the same tensor (gaps from ``base``, else zero; ``pin``: page-locked)."""
+    manifest = ckpt.manifest
+    refs, stored_dtype, out = _partition_buffer(ckpt, target, fragments, state, base, pin)
+    runs: dict[str, list[tuple[int, int, int]]] = {}
+    converted = []  # e.g. a frozen bf16 param read as fp32
+    for fragment in fragments:
+        ref = refs[fragment.name]
+        tally.bytes_needed += fragment.length * itemsize(ref.dtype)
+        span = (fragment.param_start, fragment.param_stop)
+        if ref.dtype == stored_dtype:
+            runs.setdefault(fragment.name, []).append((*span, fragment.partition_start))
+        else:
+            name = manifest.resolve(fragment.name)
+            converted.append((fragment, batch.runs(ckpt, name, state, [(*span, 0)])))
+    for name, ranges in runs.items():
+        batch.add(refs[name], ranges, out)
+
+    def finish() -> torch.Tensor:
+        for fragment, pending in converted:
+            window = out[fragment.partition_start : fragment.partition_start + fragment.length]
+            window[:] = pending.value().to(torch.float32).numpy()
+        tensor = storage_to_torch(out, stored_dtype)
+        return tensor.to(dtype) if dtype is not None and tensor.dtype != dtype else tensor
+
+    return finish
 
 
 def can_fill_in_place(
@@ -351,6 +381,35 @@ def _read_span(
         ]
         tally.bytes_needed += fragment.length * itemsize(ref.dtype)
     tally.note(ref, low, high)
+
+
+def _partition_buffer(
+    ckpt: UniversalCheckpoint,
+    target: FlatTarget,
+    fragments: Sequence[Fragment],
+    state: str,
+    base: torch.Tensor | None,
+    pin: bool,
+) -> tuple[dict[str, ArrayRef], str, np.ndarray]:
+    """The fragments' arrays, the dtype the partition is kept in, and a new buffer of the
+    partition (``pin``: page-locked) whose elements outside the fragments come from ``base``,
+    else are zero."""
+    refs = {f.name: ckpt.array_ref(f.name, state) for f in fragments}
+    stored = {ref.dtype for ref in refs.values()} or {"float32"}
+    if len(stored) != 1:
+        raise ValueError(f"state '{state}' has mixed dtypes {sorted(stored)} in one flat group")
+    stored_dtype = stored.pop()
+    if state == FP32_STATE and stored_dtype != "float32":
+        stored_dtype = "float32"
+    out = host_buffer(target.numel, stored_dtype, pin=pin)
+    filler = (
+        None
+        if base is None
+        else base.detach().to("cpu", torch.float32 if stored_dtype == "float32" else None).numpy()
+    )
+    for low, high in _gaps(fragments, target.numel):  # from the store, else base, else zero
+        _fill(out, low, high, filler)
+    return refs, stored_dtype, out
 
 
 def _gaps(fragments: Sequence[Fragment], numel: int) -> list[tuple[int, int]]:

@@ -31,18 +31,23 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from ucformat.collective import NOTHING_LOADED, Group, settle
+from ucformat.collective import group as ranks_group
 from ucformat.errors import ModelMismatchError, UnsupportedExportError
 from ucformat.format.models import ArrayRef, CheckpointManifest
 from ucformat.format.names import model_name
 from ucformat.format.pyvalue import decode
 from ucformat.format.spec import BUFFER_STATE, FP32_STATE, STEP_STATE, VALUE_STATE
+from ucformat.read.batch import Pending, ReadBatch, read_own
 from ucformat.read.checkpoint import UniversalCheckpoint, open_checkpoint, scalar_value
 from ucformat.read.model_match import match_model, refuse_mismatch
+from ucformat.read.shared import check_mode, job_totals, read_batch
 from ucformat.store.keys import StoreLike
 from ucformat.torch.dtensor import is_dtensor, reshard
 from ucformat.torch.odd_states import odd_states_left_out
@@ -71,6 +76,21 @@ class TorchLoadReport:
     #: Optimizer states of the store left out (``strict=False``): those a torch optimizer has
     #: no place for (:mod:`ucformat.torch.odd_states`).
     skipped: list[str] = field(default_factory=list)
+    #: How the job read: ``"once"`` (each chunk once job-wide, then shared over the process
+    #: group) or ``"own"`` (each rank its own bytes); see ``read=`` of :func:`load`.
+    read_mode: str = "own"
+    #: Bytes this rank sent to and received from other ranks (``"once"``).
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    #: Job-wide (summed over the ranks of a collective load; None for a load in one
+    #: process): bytes fetched from storage, requests, bytes exchanged, bytes needed.
+    job_bytes_read: int | None = None
+    job_requests: int | None = None
+    job_bytes_exchanged: int | None = None
+    job_bytes_needed: int | None = None
+    #: Bytes of the chunks some rank needed, each chunk once (what storage must serve at the
+    #: least); known where the job planned its reads together (``read`` not ``"own"``).
+    job_chunk_bytes_needed: int | None = None
 
     @property
     def read_amplification(self) -> float:
@@ -93,19 +113,39 @@ def model_state_dict(
             parameters upcast to fp32). Buffers always keep their own dtype.
     """
     ckpt = _open(store)
+    batch = ReadBatch()
+    pending = _model_reads(ckpt, batch)
+    read_own(ckpt, batch)
+    return _model_values(ckpt.manifest, pending, dtype)
+
+
+def _model_reads(ckpt: UniversalCheckpoint, batch: ReadBatch) -> dict[str, Pending]:
+    """Every parameter's weights and every buffer, added to ``batch``."""
     manifest = ckpt.manifest
+    pending = {name: batch.whole(ckpt, name, FP32_STATE) for name in manifest.params}
+    pending.update((name, batch.whole(ckpt, name, BUFFER_STATE)) for name in manifest.buffers)
+    return pending
+
+
+def _model_values(
+    manifest: CheckpointManifest, pending: dict[str, Pending], dtype: torch.dtype | None
+) -> OrderedDict[str, torch.Tensor]:
     out: OrderedDict[str, torch.Tensor] = OrderedDict()
     for name in manifest.params:
-        value = ckpt.read(name, FP32_STATE)
+        value = pending[name].value()
         out[name] = value.to(dtype) if dtype is not None and value.dtype in _FLOATING else value
     for alias, owner in manifest.tied.items():
         out[alias] = out[owner]
     for name in manifest.buffers:
-        out[name] = ckpt.read(name, BUFFER_STATE)
+        out[name] = pending[name].value()
     return out
 
 
-def _param_state(ckpt: UniversalCheckpoint, name: str, torch_step: bool) -> dict[str, Any]:
+def _param_state(
+    ckpt: UniversalCheckpoint, name: str, torch_step: bool, batch: ReadBatch
+) -> dict[str, Any]:
+    """The optimizer state of ``name``: scalars now, arrays as :class:`Pending` reads of
+    ``batch`` (:func:`_resolved` once it is read)."""
     manifest = ckpt.manifest
     entry = manifest.params[manifest.resolve(name)]
     assert manifest.optimizer is not None
@@ -115,10 +155,17 @@ def _param_state(ckpt: UniversalCheckpoint, name: str, torch_step: bool) -> dict
         state[key] = torch_step_tensor(value) if key == STEP_STATE and torch_step else value
     for key in manifest.optimizer.state_keys:
         if key in entry.states:
-            state[key] = ckpt.read(manifest.resolve(name), key)
+            state[key] = batch.whole(ckpt, manifest.resolve(name), key)
     for key in entry.whole_states:  # format 3.1: a state in a shape of its own, as saved
-        state[key] = ckpt.read(manifest.resolve(name), key)
+        state[key] = batch.whole(ckpt, manifest.resolve(name), key)
     return state
+
+
+def _resolved(state: dict[int, dict[str, Any]]) -> dict[int, dict[str, Any]]:
+    return {
+        index: {k: v.value() if isinstance(v, Pending) else v for k, v in values.items()}
+        for index, values in state.items()
+    }
 
 
 def optimizer_state_dict(
@@ -146,15 +193,17 @@ def optimizer_state_dict(
     odd_states_left_out(manifest, sharded=False, strict=strict)
     state: dict[int, dict[str, Any]] = {}
     groups: list[dict[str, Any]] = []
+    batch = ReadBatch()
     index = 0
     for number, group in enumerate(manifest.optimizer.groups):
         ids = []
         for name in group.params:
-            state[index] = _param_state(ckpt, name, torch_step)
+            state[index] = _param_state(ckpt, name, torch_step, batch)
             ids.append(index)
             index += 1
         groups.append({**torch_group(manifest, number), "params": ids})
-    return {"state": state, "param_groups": groups}
+    read_own(ckpt, batch)
+    return {"state": _resolved(state), "param_groups": groups}
 
 
 def state_dicts(
@@ -179,12 +228,11 @@ def state_dicts(
 
 # --- load into a live model and optimizer ----------------------------------------------------
 def _check_model(
-    model: torch.nn.Module, saved: dict[str, torch.Tensor], strict: bool, report: TorchLoadReport
+    model: torch.nn.Module, saved: Mapping[str, Any], strict: bool, report: TorchLoadReport
 ) -> None:
+    """Compare the model's state dict with ``saved`` (names to shapes)."""
     live = model.state_dict()
-    match = match_model(
-        {k: v.shape for k, v in live.items()}, {k: v.shape for k, v in saved.items()}
-    )
+    match = match_model({k: v.shape for k, v in live.items()}, saved)
     report.missing, report.unexpected = match.missing, match.unexpected
     refuse_mismatch(match, strict=strict)
 
@@ -193,7 +241,7 @@ def _live_names(model: torch.nn.Module) -> dict[int, str]:
     return {id(p): model_name(name) for name, p in model.named_parameters()}
 
 
-def _live_keys(model: torch.nn.Module, saved: OrderedDict[str, torch.Tensor]) -> None:
+def _live_keys(model: torch.nn.Module, saved: OrderedDict[str, Any]) -> None:
     """Rename ``saved``'s entries to the live model's names (wrapper components included)."""
     live = {model_name(key): key for key in model.state_dict()}
     renamed = [(live.get(model_name(key), key), value) for key, value in saved.items()]
@@ -229,18 +277,21 @@ def load(
     *,
     strict: bool = True,
     scheduler: Any = None,
+    read: str = "auto",
 ) -> TorchLoadReport:
     """Load a store into a PyTorch model and (optionally) optimizer.
 
-    A plain model (no DTensor parameters) is loaded in this process. A model whose parameters
-    are DTensors (FSDP2 ``fully_shard`` on a 1-D mesh, HSDP on a ``(replicate, shard)`` mesh,
-    tensor parallel ``parallelize_module``, FSDP2 + TP on a ``(dp, tp)`` mesh: any ``Shard(d)``,
-    ``_StridedShard`` and ``Replicate()`` placements) is loaded collectively: call it on every
-    rank; each rank reads only the runs of flat elements its local shards cover (one per row
-    for a ``Shard(1)`` column block), of the weights and of every optimizer state, and
-    optimizer states the optimizer does not hold yet are created as DTensors with the
-    parameter's mesh and placements; param groups are matched to the stored ones by the names
-    of the parameters they hold (docs/fsdp2.md, docs/tensor-parallel.md).
+    A model whose parameters are DTensors (FSDP2 ``fully_shard`` on a 1-D mesh, HSDP on a
+    ``(replicate, shard)`` mesh, tensor parallel ``parallelize_module``, FSDP2 + TP on a
+    ``(dp, tp)`` mesh: any ``Shard(d)``, ``_StridedShard`` and ``Replicate()`` placements) is
+    loaded collectively: call it on every rank; each rank needs only the runs of flat elements
+    its local shards cover (one per row for a ``Shard(1)`` column block), of the weights and of
+    every optimizer state, and optimizer states the optimizer does not hold yet are created as
+    DTensors with the parameter's mesh and placements; param groups are matched to the stored
+    ones by the names of the parameters they hold (docs/fsdp2.md, docs/tensor-parallel.md).
+    A plain model (every rank holds all of it) is loaded in this process, or, under
+    ``torch.distributed`` with more than one rank and ``read`` other than ``"own"``,
+    collectively too: call it on every rank.
 
     The model gets every parameter (from fp32, cast by ``load_state_dict`` to the model's
     dtype), tied aliases and buffers. The optimizer (built over the same param groups as the
@@ -256,6 +307,11 @@ def load(
         scheduler: an lr scheduler to restore from the state ``ucformat.torch.save(...,
             scheduler=)`` (or DeepSpeed) recorded; a store without one is refused (before
             anything changes) unless ``strict=False``.
+        read: how the ranks of a collective load read the store (docs/loading.md, "Read
+            once"): ``"once"``: every chunk is fetched from storage by one rank and shared
+            over the job's process group; ``"own"``: every rank reads all it needs itself;
+            ``"auto"`` (default): once where ranks share chunks (replicas, chunks cut by
+            shards), else own. The loaded state is the same bit for bit.
 
     Raises:
         ModelMismatchError: the model or the optimizer's groups do not match the store.
@@ -264,15 +320,15 @@ def load(
         UnsupportedCheckpointError: ``strict`` and the store holds optimizer states the
             optimizer has no place for (kept once per ZeRO partition; kept whole, into a sharded
             model): one line, nothing loaded.
-        CollectiveError: (DTensor models) some rank could not read its part; nothing was
-            loaded on this rank.
+        CollectiveError: (collective loads) some rank could not read its part; nothing was
+            loaded on any rank.
 
     Example:
         >>> optimizer = torch.optim.AdamW(model.parameters())  # doctest: +SKIP
         >>> ucformat.torch.load(model, optimizer, "ckpt.ucf")  # doctest: +SKIP
     """
+    check_mode(read)
     ckpt = _open(store)
-    before, requests_before = ckpt.stats.bytes_read, ckpt.stats.requests
     manifest = ckpt.manifest
     report = TorchLoadReport()
     reshard(model)  # FSDP2 modules left unsharded by an evaluation forward
@@ -285,44 +341,84 @@ def load(
     if any(is_dtensor(p) for p in model.parameters()):
         from ucformat.torch.sharded_load import load_sharded
 
-        load_sharded(model, optimizer, ckpt, strict, report)
-        _restore_scheduler(scheduler, scheduler_state)
-        return report
-    started, before = time.perf_counter(), ckpt.stats.bytes_read
-    saved = model_state_dict(ckpt)
-    _live_keys(model, saved)  # a checkpoint-wrapped or compiled model's names (format/names.py)
-    _check_model(model, saved, strict, report)
-    optimizer_sd = None
+        load_sharded(model, optimizer, ckpt, strict, report, read)
+    else:
+        _load_plain(model, optimizer, ckpt, strict, report, read)
+    _restore_scheduler(scheduler, scheduler_state)
+    return report
+
+
+def _load_plain(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    ckpt: UniversalCheckpoint,
+    strict: bool,
+    report: TorchLoadReport,
+    read: str,
+) -> None:
+    """Fill a model of plain tensors (whole on every rank) and its optimizer."""
+    started = time.perf_counter()
+    before, requests_before = ckpt.stats.bytes_read, ckpt.stats.requests
+    manifest = ckpt.manifest
+    shapes: OrderedDict[str, Any] = OrderedDict(
+        (name, torch.Size(entry.shape)) for name, entry in manifest.params.items()
+    )
+    shapes.update((alias, shapes[owner]) for alias, owner in manifest.tied.items())
+    shapes.update((name, torch.Size(b.array.shape)) for name, b in manifest.buffers.items())
+    _live_keys(model, shapes)  # a checkpoint-wrapped or compiled model's names (format/names.py)
+    _check_model(model, shapes, strict, report)
+    batch = ReadBatch()
+    weights = _model_reads(ckpt, batch)
+    optimizer_state: dict[int, dict[str, Any]] = {}
+    groups: list[dict[str, Any]] = []
     if optimizer is not None:
         names = _live_names(model)
         live_groups = _check_optimizer(manifest, optimizer, names)
         report.skipped = odd_states_left_out(manifest, sharded=False, strict=strict)
         torch_step = type(optimizer).__module__.startswith("torch.optim")
-        state: dict[int, dict[str, Any]] = {}
-        groups: list[dict[str, Any]] = []
         index = 0
         for number, (members, live) in enumerate(
             zip(live_groups, optimizer.param_groups, strict=True)
         ):
             ids = []
             for name in members:
-                state[index] = _param_state(ckpt, name, torch_step)
+                optimizer_state[index] = _param_state(ckpt, name, torch_step, batch)
                 ids.append(index)
                 index += 1
             groups.append({**merged_group(manifest, number, live, strict), "params": ids})
-        optimizer_sd = {"state": state, "param_groups": groups}
+    group: Group | None = ranks_group().operation() if read != "own" else None
+    collective = group is not None and group.distributed
+    if collective:
+        assert group is not None
+        outcome = read_batch(ckpt, batch, group, read=read)
+        settle(outcome.failure, group, ckpt.where, undone=NOTHING_LOADED)
+        report.read_mode = outcome.stats.mode
+        report.bytes_sent = outcome.stats.bytes_sent
+        report.bytes_received = outcome.stats.bytes_received
+        if outcome.stats.union_bytes:
+            report.job_chunk_bytes_needed = outcome.stats.union_bytes
+    else:
+        read_own(ckpt, batch)
+    saved = _model_values(manifest, weights, None)
+    _live_keys(model, saved)
     model.load_state_dict(saved, strict=strict)
-    if optimizer_sd is not None and optimizer is not None:
-        optimizer.load_state_dict(optimizer_sd)
-    _restore_scheduler(scheduler, scheduler_state)
+    if optimizer is not None:
+        optimizer.load_state_dict({"state": _resolved(optimizer_state), "param_groups": groups})
     report.client_state = {k: decode(v) for k, v in manifest.client_state.values.items()}
     report.bytes_read = ckpt.stats.bytes_read - before
-    report.bytes_needed = sum(
-        ref.nbytes for ref in _arrays_read(manifest, optimizer_sd is not None)
-    )
-    report.seconds = time.perf_counter() - started
+    report.bytes_needed = sum(ref.nbytes for ref in _arrays_read(manifest, optimizer is not None))
     report.requests = ckpt.stats.requests - requests_before
-    return report
+    if collective:
+        assert group is not None
+        totals = job_totals(
+            group, report.bytes_read, report.requests, report.bytes_sent, report.bytes_needed
+        )
+        report.job_bytes_read, report.job_requests = totals.bytes_read, totals.requests
+        report.job_bytes_exchanged, report.job_bytes_needed = (
+            totals.bytes_exchanged,
+            totals.bytes_needed,
+        )
+    report.seconds = time.perf_counter() - started
 
 
 def _restore_scheduler(scheduler: Any, state: Any) -> None:

@@ -7,10 +7,13 @@ What :func:`ucformat.torch.load` runs when the model holds DTensors. Per rank:
    ``strict=True`` any difference fails here, before anything changes;
 2. read, into new tensors, exactly the runs of flat elements of every array this rank's local
    shards cover (:mod:`ucformat.torch.dtensor`: one run for a ``Shard(0)`` row block, one per
-   row for a ``Shard(1)`` column block, any placements on any mesh), merged so that each chunk
-   is fetched once (:meth:`~ucformat.read.checkpoint.UniversalCheckpoint.read_runs`): the fp32
-   weights and every optimizer state of each parameter, frozen parameters, buffers (whole:
-   they are not sharded). A rank whose shard of a parameter is empty reads nothing for it;
+   row for a ``Shard(1)`` column block, any placements on any mesh): the fp32 weights and
+   every optimizer state of each parameter, frozen parameters, buffers (whole: they are not
+   sharded), as one :class:`~ucformat.read.batch.ReadBatch`. With ``read="once"`` (or
+   ``"auto"`` where ranks share chunks: HSDP replicas, buffers, chunks cut by shards) the job
+   reads each chunk once and shares it (:mod:`ucformat.read.shared`); with ``"own"`` each rank
+   reads its runs, each chunk fetched once. A rank whose shard of a parameter is empty reads
+   nothing for it;
 3. agree with every other rank that all reads succeeded (one agreement), then write: local
    shards in place, optimizer states into the optimizer's tensors (or as new DTensors with the
    parameter's mesh and placements where the optimizer has none yet), ``step`` in the type the
@@ -30,7 +33,6 @@ from ucformat.collective import NOTHING_LOADED, settle
 from ucformat.collective import group as ranks_group
 from ucformat.errors import (
     ModelMismatchError,
-    UCFormatError,
     UnsupportedExportError,
 )
 from ucformat.format.dtypes import itemsize
@@ -38,8 +40,10 @@ from ucformat.format.models import CheckpointManifest
 from ucformat.format.names import model_named
 from ucformat.format.pyvalue import decode
 from ucformat.format.spec import FP32_STATE, STEP_STATE
+from ucformat.read.batch import Pending, ReadBatch
 from ucformat.read.checkpoint import BUFFER_STATE, UniversalCheckpoint, scalar_value
 from ucformat.read.model_match import match_model, refuse_mismatch
+from ucformat.read.shared import job_totals, read_batch
 from ucformat.read.staging import wants_pinned
 from ucformat.torch.dtensor import LocalShard, local_shard, persistent_buffers
 from ucformat.torch.odd_states import odd_states_left_out
@@ -55,8 +59,8 @@ class _ParamRead:
     name: str
     param: torch.Tensor
     shard: LocalShard
-    fp32: torch.Tensor | None = None
-    states: dict[str, torch.Tensor] = field(default_factory=dict)
+    fp32: Pending | None = None
+    states: dict[str, Pending] = field(default_factory=dict)
     scalars: dict[str, Any] = field(default_factory=dict)
 
 
@@ -113,22 +117,24 @@ def _match_groups(
 
 
 def _read_param(
-    ckpt: UniversalCheckpoint, name: str, param: torch.Tensor, state_keys: list[str]
-) -> tuple[_ParamRead, int]:
-    """This rank's range of every array of ``name``, and the bytes it needed."""
+    ckpt: UniversalCheckpoint, name: str, param: torch.Tensor, state_keys: list[str],
+    batch: ReadBatch,
+) -> tuple[_ParamRead, int]:  # fmt: skip
+    """This rank's range of every array of ``name`` (added to ``batch``), and its bytes."""
     manifest = ckpt.manifest
     owner = manifest.resolve(name)
     entry = manifest.params[owner]
     shard = local_shard(name, param)
     read = _ParamRead(name, param, shard)
+    runs = [(run.start, run.start + run.length, run.chunk_start) for run in shard.runs]
     # An empty shard (no runs) reads nothing and gives empty tensors; a shard on a CUDA device
     # is read into pinned host memory (its one host copy, then one DMA each).
     pin = wants_pinned(shard.local.device)
-    read.fp32 = ckpt.read_runs(owner, FP32_STATE, shard.runs, pin=pin)
+    read.fp32 = batch.runs(ckpt, owner, FP32_STATE, runs, pin=pin)
     needed = shard.numel * itemsize(ckpt.array_ref(owner, FP32_STATE).dtype)
     for key in state_keys:
         if key in entry.states:
-            read.states[key] = ckpt.read_runs(owner, key, shard.runs, pin=pin)
+            read.states[key] = batch.runs(ckpt, owner, key, runs, pin=pin)
             needed += shard.numel * itemsize(entry.states[key].dtype)
     if state_keys:
         read.scalars = {k: scalar_value(s) for k, s in entry.scalars.items()}
@@ -153,6 +159,7 @@ def load_sharded(
     ckpt: UniversalCheckpoint,
     strict: bool,
     report: Any,
+    read_mode: str = "auto",
 ) -> None:
     """Fill ``model`` (DTensor parameters) and ``optimizer`` from ``ckpt``; fill ``report``."""
     started = time.perf_counter()
@@ -172,25 +179,24 @@ def load_sharded(
         report.skipped = odd_states_left_out(manifest, sharded=True, strict=strict, names=owners)
 
     reads: list[_ParamRead] = []
-    buffer_values: dict[str, torch.Tensor] = {}
+    pending_buffers: dict[str, Pending] = {}
     needed = 0
-    failure: BaseException | None = None
-    try:
-        for name, param in params.items():
-            if manifest.resolve(name) not in manifest.params:
-                continue
-            keys = state_keys if name in trainable else []
-            read, count = _read_param(ckpt, name, param, keys)
-            reads.append(read)
-            needed += count
-        for name in buffers:
-            if name in manifest.buffers:
-                value = ckpt.read(name, BUFFER_STATE)
-                buffer_values[name] = value
-                needed += value.numel() * value.element_size()
-    except (UCFormatError, OSError) as exc:
-        failure = exc
-    settle(failure, ranks_group().operation(), ckpt.where, undone=NOTHING_LOADED)
+    batch = ReadBatch()
+    for name, param in params.items():
+        if manifest.resolve(name) not in manifest.params:
+            continue
+        keys = state_keys if name in trainable else []
+        read, count = _read_param(ckpt, name, param, keys, batch)
+        reads.append(read)
+        needed += count
+    for name in buffers:
+        if name in manifest.buffers:
+            pending_buffers[name] = batch.whole(ckpt, name, BUFFER_STATE)
+            needed += manifest.buffers[name].array.nbytes
+    group = ranks_group().operation()
+    outcome = read_batch(ckpt, batch, group, read=read_mode)
+    settle(outcome.failure, group, ckpt.where, undone=NOTHING_LOADED)
+    buffer_values = {name: pending.value() for name, pending in pending_buffers.items()}
 
     # --- nothing above modified the model or the optimizer; from here on, write ---------------
     torch_step = optimizer is not None and type(optimizer).__module__.startswith("torch.optim")
@@ -198,12 +204,12 @@ def load_sharded(
         for read in reads:
             local = read.shard.local
             if read.fp32 is not None and local.numel():
-                local.copy_(read.fp32.reshape(local.shape).to(local.dtype))
+                local.copy_(read.fp32.value().reshape(local.shape).to(local.dtype))
             if optimizer is None or read.name not in trainable:
                 continue
             state = optimizer.state[read.param]
             for key, values in read.states.items():
-                _set_state(state, key, read, values)
+                _set_state(state, key, read, values.value())
             for key, value in read.scalars.items():
                 state[key] = torch_step_tensor(value) if key == STEP_STATE and torch_step else value
         for name, value in buffer_values.items():
@@ -215,4 +221,14 @@ def load_sharded(
     report.bytes_read = ckpt.stats.bytes_read - before
     report.bytes_needed = needed
     report.requests = ckpt.stats.requests - requests_before
+    report.read_mode = outcome.stats.mode
+    report.bytes_sent = outcome.stats.bytes_sent
+    report.bytes_received = outcome.stats.bytes_received
+    if outcome.stats.union_bytes:
+        report.job_chunk_bytes_needed = outcome.stats.union_bytes
+    if group.distributed:
+        totals = job_totals(group, report.bytes_read, report.requests, report.bytes_sent, needed)
+        report.job_bytes_read, report.job_requests = totals.bytes_read, totals.requests
+        report.job_bytes_exchanged = totals.bytes_exchanged
+        report.job_bytes_needed = totals.bytes_needed
     report.seconds = time.perf_counter() - started
