@@ -43,7 +43,7 @@ import zlib
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from ucformat.layout.cells import CellGrid, Rect
+from ucformat.layout.cells import CellGrid, OutBox, Rect
 from ucformat.layout.reads import ReadCost, range_read_cost
 
 __all__ = [
@@ -55,9 +55,13 @@ __all__ = [
     "HomePlan",
     "Piece",
     "Row",
+    "ShardNeeds",
     "home_of",
     "pair_cap",
+    "group_ranks",
     "plan_home",
+    "plan_shards",
+    "rank_demands",
     "reads_cost",
     "schedule",
 ]
@@ -126,6 +130,32 @@ def home_of(array: int, shard: int, world_size: int) -> int:
     return zlib.crc32(f"{array}/{shard}".encode()) % world_size
 
 
+def rank_demands(
+    rank: int,
+    needs: Mapping[int, Sequence[tuple[int, int]] | Sequence[OutBox]],
+    grids: Mapping[int, CellGrid],
+    world_size: int,
+) -> list[tuple[int, Demand]]:
+    """A rank's needs (per array: flat ranges, or boxes of a box-chunked matrix) as demands,
+    each with its home rank."""
+    out: list[tuple[int, Demand]] = []
+    for array, ranges in needs.items():
+        grid = grids[array]
+        if grid.box and ranges and isinstance(ranges[0], OutBox):
+            rects = grid.need_rects([box for box in ranges if isinstance(box, OutBox)])
+        else:
+            runs: list[tuple[int, int, int]] = []
+            at = 0
+            for start, stop in ranges:  # type: ignore[misc]
+                runs.append((start, stop, at))  # consecutive in the output: column blocks merge
+                at += stop - start
+            rects = grid.need_rects(grid.out_boxes(runs) if grid.box else runs)
+        for rect in rects:
+            home = home_of(array, grid.shard_of(rect[0])[0], world_size)
+            out.append((home, Demand(rank, array, rect)))
+    return out
+
+
 @dataclass
 class _Atom:
     i0: int
@@ -167,6 +197,10 @@ def _atoms(classes: list[list[Rect]]) -> list[tuple[Rect, tuple[int, ...]]]:
     )
 
 
+#: Per shard ``(array, first cell row)``: the ranks needing the same rects of it, by rects.
+ShardNeeds = Mapping[tuple[int, int], Mapping[tuple[Rect, ...], Sequence[int]]]
+
+
 def plan_home(
     demands: Iterable[Demand],
     grids: Mapping[int, CellGrid],
@@ -180,20 +214,46 @@ def plan_home(
     Deterministic: the same demands, in any order, give the same plan. Block numbers are
     ``home << 32 | n``: unique across homes.
     """
-    policy = policy or BlockPolicy()
-    by_shard: dict[tuple[int, int], dict[int, list[Rect]]] = {}
+    by_rank: dict[tuple[int, int], dict[int, list[Rect]]] = {}
     for demand in demands:
-        grid = grids[demand.array]
-        shard = grid.shard_of(demand.rect[0])
-        by_shard.setdefault((demand.array, shard[0]), {}).setdefault(demand.rank, []).append(
+        shard = grids[demand.array].shard_of(demand.rect[0])[0]
+        by_rank.setdefault((demand.array, shard), {}).setdefault(demand.rank, []).append(
             demand.rect
         )
+    return plan_shards(
+        {key: group_ranks(ranks) for key, ranks in by_rank.items()},
+        grids,
+        world_size,
+        policy,
+        home=home,
+    )
+
+
+def group_ranks(ranks: Mapping[int, Iterable[Rect]]) -> dict[tuple[Rect, ...], list[int]]:
+    """Ranks that need the same rects of a shard, as one class each (by their rects)."""
+    grouped: dict[tuple[Rect, ...], list[int]] = {}
+    for rank, rects in ranks.items():
+        grouped.setdefault(tuple(sorted(set(rects))), []).append(rank)
+    return grouped
+
+
+def plan_shards(
+    shards: ShardNeeds,
+    grids: Mapping[int, CellGrid],
+    world_size: int,
+    policy: BlockPolicy | None = None,
+    *,
+    home: int = 0,
+) -> HomePlan:
+    """:func:`plan_home` of needs already grouped by shard and class (what a home builds
+    from the demands it receives; a simulation builds it without :class:`Demand` objects)."""
+    policy = policy or BlockPolicy()
     plan = HomePlan()
     plan.blocks = home << 32
     load: dict[int, int] = {}
-    for array, shard_lo in sorted(by_shard):
+    for array, shard_lo in sorted(shards):
         grid = grids[array]
-        _plan_shard(plan, load, grid, array, grid.shard_of(shard_lo), by_shard[array, shard_lo],
+        _plan_shard(plan, load, grid, array, grid.shard_of(shard_lo), shards[array, shard_lo],
                     world_size, policy)  # fmt: skip
     return plan
 
@@ -204,13 +264,10 @@ def _plan_shard(
     grid: CellGrid,
     array: int,
     shard: tuple[int, int],
-    ranks: dict[int, list[Rect]],
+    grouped: Mapping[tuple[Rect, ...], Sequence[int]],
     world_size: int,
     policy: BlockPolicy,
 ) -> None:
-    grouped: dict[tuple[Rect, ...], list[int]] = {}
-    for rank, rects in ranks.items():
-        grouped.setdefault(tuple(sorted(set(rects))), []).append(rank)
     keys = sorted(grouped, key=lambda k: min(grouped[k]))
     classes = [list(key) for key in keys]
     members = [sorted(grouped[key]) for key in keys]

@@ -13,19 +13,40 @@ fragment it owns, exactly that flat range of the parameter's array, as
 The result is the read amplification of one state (``fp32``; every optimizer state has the same
 layout and so the same ratio): fetched bytes over needed bytes, summed over ranks. Pure
 arithmetic, used for the scale table in docs/benchmarks.md.
+
+:func:`simulate_read_once` runs the read-once planning (:mod:`ucformat.layout.read_once`) of a
+whole job without data: every rank's needs (from the caller's planners), every home's plan,
+and the bytes and requests each rank then reads and the bytes it moves.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from math import prod
 
+from ucformat.layout.cells import CellGrid, OutBox, Rect
 from ucformat.layout.chunking import ChunkPolicy, choose_chunking
 from ucformat.layout.partition import PartitionedFlatLayout, PerParamLayout
+from ucformat.layout.read_once import (
+    SEND,
+    BlockPolicy,
+    group_ranks,
+    plan_shards,
+    rank_demands,
+    reads_cost,
+)
 from ucformat.layout.reads import ReadCost, range_read_cost
 
-__all__ = ["LoadSimulation", "ParamShape", "simulate_load"]
+__all__ = [
+    "LoadSimulation",
+    "ParamShape",
+    "RankNeeds",
+    "RankTraffic",
+    "ReadOnceSimulation",
+    "simulate_load",
+    "simulate_read_once",
+]
 
 ParamShape = tuple[str, tuple[int, ...]]
 
@@ -128,3 +149,113 @@ def _rank_ranges(
         flat = PartitionedFlatLayout.build([(name, numels[name]) for name in group], world_size)
         for fragment in flat.all_fragments():
             yield fragment.name, fragment.param_start, fragment.param_stop, 1
+
+
+# --- read once, job-wide (ucformat.layout.read_once) -----------------------------------------
+@dataclass
+class RankTraffic:
+    """What one rank of a simulated read-once load does."""
+
+    bytes_read: int = 0
+    requests: int = 0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    #: What the rank's own reads of its needs would fetch (bytes, requests).
+    own_bytes: int = 0
+    own_requests: int = 0
+    #: Demands it sends to homes, and demands it receives as a home.
+    demands: int = 0
+    homed: int = 0
+
+
+@dataclass
+class ReadOnceSimulation:
+    """A simulated read-once load: job-wide bytes and each rank's traffic."""
+
+    world_size: int
+    ranks: list[RankTraffic]
+    #: Bytes of the cells some rank needs, each once; and summed over the ranks needing them.
+    union_bytes: int = 0
+    demanded_bytes: int = 0
+    blocks: int = 0
+
+    @property
+    def storage_bytes(self) -> int:
+        """Bytes all readers fetch from storage (chunks with checksums, shard indexes)."""
+        return sum(rank.bytes_read for rank in self.ranks)
+
+    @property
+    def storage_requests(self) -> int:
+        """Requests all readers make."""
+        return sum(rank.requests for rank in self.ranks)
+
+    @property
+    def own_bytes(self) -> int:
+        """Bytes the ranks' own reads would fetch."""
+        return sum(rank.own_bytes for rank in self.ranks)
+
+    @property
+    def own_requests(self) -> int:
+        """Requests the ranks' own reads would make."""
+        return sum(rank.own_requests for rank in self.ranks)
+
+    @property
+    def exchanged_bytes(self) -> int:
+        """Bytes moved between ranks."""
+        return sum(rank.bytes_sent for rank in self.ranks)
+
+
+#: A rank's needs: per array id, flat ranges (or boxes of a box-chunked matrix).
+RankNeeds = Mapping[int, Sequence[tuple[int, int]] | Sequence[OutBox]]
+
+
+def simulate_read_once(
+    grids: Mapping[int, CellGrid],
+    world_size: int,
+    needs_of: Callable[[int], RankNeeds],
+    policy: BlockPolicy | None = None,
+) -> ReadOnceSimulation:
+    """Run the read-once planning of a ``world_size`` job with no data: every rank's demands
+    (:func:`~ucformat.layout.read_once.rank_demands` of ``needs_of(rank)``), every home's plan
+    (:func:`~ucformat.layout.read_once.plan_shards`, the code a home runs), and what each rank
+    then reads (:func:`~ucformat.layout.read_once.reads_cost`) and moves.
+
+    Own reads are costed from the same demands: every chunk of a rank's rects and one index
+    per shard it touches; one index request and one range request per shard.
+    """
+    sim = ReadOnceSimulation(world_size, [RankTraffic() for _ in range(world_size)])
+    per_home: list[dict[tuple[int, int], dict[int, list[Rect]]]] = [{} for _ in range(world_size)]
+    for rank in range(world_size):
+        traffic = sim.ranks[rank]
+        touched: set[tuple[int, int]] = set()
+        for home, demand in rank_demands(rank, needs_of(rank), grids, world_size):
+            grid = grids[demand.array]
+            shard = grid.shard_of(demand.rect[0])[0]
+            i0, i1, j0, j1 = demand.rect
+            traffic.own_bytes += grid.stored_bytes((i1 - i0) * (j1 - j0))
+            touched.add((demand.array, shard))
+            per_home[home].setdefault((demand.array, shard), {}).setdefault(rank, []).append(
+                demand.rect
+            )
+            traffic.demands += 1
+            sim.ranks[home].homed += 1
+        traffic.own_bytes += sum(grids[a].shard_index_bytes() for a, _ in touched)
+        traffic.own_requests += 2 * len(touched)
+    for home in range(world_size):
+        shards = {key: group_ranks(ranks) for key, ranks in per_home[home].items()}
+        per_home[home] = {}
+        plan = plan_shards(shards, grids, world_size, policy, home=home)
+        sim.union_bytes += plan.union_bytes
+        sim.demanded_bytes += plan.demanded_bytes
+        sim.blocks += plan.blocks - (home << 32)
+        for rank, rows in plan.rows.items():
+            cost = reads_cost(rows, grids)
+            traffic = sim.ranks[rank]
+            traffic.bytes_read += cost.total
+            traffic.requests += cost.requests
+            for row in rows:
+                if row.kind == SEND and row.peer != rank:
+                    nbytes = grids[row.array].nbytes(row.rect)
+                    traffic.bytes_sent += nbytes
+                    sim.ranks[row.peer].bytes_received += nbytes
+    return sim

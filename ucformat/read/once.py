@@ -52,9 +52,9 @@ from ucformat.layout.read_once import (
     Demand,
     Piece,
     Row,
-    home_of,
     pair_cap,
     plan_home,
+    rank_demands,
     schedule,
 )
 from ucformat.read.batch import Placement, ReadBatch, grid_of
@@ -203,16 +203,12 @@ def plan_shared(
             found = grids[number] = grid_of(refs[number])
         return found
 
+    numbered = {ids[path]: ranges for path, ranges in needs.items()}
+    for number in numbered:
+        grid(number)
     outboxes: list[list[list[int]]] = [[] for _ in range(world)]
-    for path, ranges in needs.items():
-        number = ids[path]
-        cells = grid(number)
-        wanted, at = [], 0
-        for a, b in ranges:
-            wanted.append((a, b, at))
-            at += b - a
-        for rect in cells.need_rects(cells.out_boxes(wanted) if cells.box else wanted):
-            outboxes[home_of(number, cells.shard_of(rect[0])[0], world)].append([number, *rect])
+    for home_rank, demand in rank_demands(me, numbered, grids, world):
+        outboxes[home_rank].append([demand.array, *demand.rect])
     received = transport.blobs([_encode(rows, _DEMAND_WIDTH) for rows in outboxes])
     demands = [
         Demand(sender, int(row[0]), (int(row[1]), int(row[2]), int(row[3]), int(row[4])))

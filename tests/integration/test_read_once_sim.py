@@ -1,0 +1,123 @@
+"""The read-once simulation against a real load of the same shape, in one process.
+
+Four ranks run as threads (tests/threads.py: the executor's collectives done between threads)
+on a real store (the read-once worker's MLP, saved by ``ucformat.torch.save``), each with its
+own reader and counters, needing what real layouts give them: ZeRO-3 pieces of ``fp32``
+(:class:`~ucformat.layout.partition.PerParamLayout`), HSDP ``(replicate 2, shard 2)`` row blocks
+of ``exp_avg`` (:func:`~ucformat.layout.placements.local_runs`), tensor-parallel column blocks
+of ``exp_avg_sq`` (one run per row). Every rank's values equal its own reads, and the
+simulation (:func:`ucformat.layout.simulate.simulate_read_once`, no data) predicts, rank by
+rank, exactly the bytes and requests each fetched from storage and the bytes it sent.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+import ucformat
+from tests.fixtures._read_once_worker import LR, make_mlp
+from tests.threads import ThreadTransport, run_ranks
+from ucformat.format.dtypes import numpy_storage_dtype
+from ucformat.layout.partition import PerParamLayout
+from ucformat.layout.placements import Placement, local_intervals, local_runs
+from ucformat.layout.simulate import simulate_read_once
+from ucformat.read.batch import ReadBatch, grid_of, read_own
+from ucformat.read.once import array_paths, execute_shared, plan_shared
+
+WORLD = 4
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory: pytest.TempPathFactory) -> str:
+    path = str(tmp_path_factory.mktemp("sim") / "mlp.ucf")
+    model = make_mlp(1234)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    model(torch.randn(4, 256, generator=torch.Generator().manual_seed(0))).sum().backward()
+    optimizer.step()
+    ucformat.torch.save(model, optimizer, path, overwrite=True, fsync=False, chunk_bytes=16384,
+                        shard_bytes=131072)  # fmt: skip
+    return path
+
+
+def _needs(store: str, rank: int) -> dict[str, list[tuple[int, int]]]:
+    """Per array path, the flat ranges rank ``rank`` needs (module docstring)."""
+    manifest = ucformat.open(store).manifest
+    needs: dict[str, list[tuple[int, int]]] = {}
+    names = list(manifest.params)
+    pieces = PerParamLayout.build(
+        [(n, math.prod(manifest.params[n].shape)) for n in names], WORLD
+    )
+    for fragment in pieces.fragments(rank):
+        ref = manifest.params[fragment.name].states["fp32"]
+        needs[ref.path] = [(fragment.param_start, fragment.param_stop)]
+    hsdp = (Placement("replicate"), Placement("shard", 0))
+    for name in names:
+        entry = manifest.params[name]
+        shape = tuple(entry.shape)
+        intervals = local_intervals(shape, (2, 2), hsdp, divmod(rank, 2))
+        runs = local_runs(shape, intervals)
+        needs[entry.states["exp_avg"].path] = [(r.start, r.start + r.length) for r in runs]
+        if len(shape) == 2:  # a column block of a quarter of the columns, one run per row
+            rows, cols = shape
+            width = cols // WORLD
+            needs[entry.states["exp_avg_sq"].path] = [
+                (y * cols + rank * width, y * cols + (rank + 1) * width) for y in range(rows)
+            ]
+        else:
+            needs[entry.states["exp_avg_sq"].path] = [(0, shape[0])]
+    return needs
+
+
+def test_simulation_predicts_a_real_load(store: str) -> None:
+    def rank_load(transport: ThreadTransport) -> dict[str, Any]:
+        ckpt = ucformat.open(store)
+        own = ucformat.open(store)
+        refs = array_paths(ckpt.manifest)
+        batch, mine = ReadBatch(), ReadBatch()
+        for path, ranges in _needs(store, transport.rank).items():
+            ref = refs[path]
+            runs, at = [], 0
+            for start, stop in ranges:
+                runs.append((start, stop, at))
+                at += stop - start
+            batch.add(ref, runs, np.empty(at, numpy_storage_dtype(ref.dtype)))
+            mine.add(ref, runs, np.empty(at, numpy_storage_dtype(ref.dtype)))
+        needs = {path: ranges for path, (_, ranges) in batch.needs().items()}
+        before = (ckpt.stats.bytes_read, ckpt.stats.requests)
+        plan = plan_shared(ckpt, needs, transport, mode="once", budget=1 << 16)
+        assert execute_shared(ckpt, plan, batch, transport) is None
+        own_before = own.stats.bytes_read  # the manifest
+        read_own(own, mine)
+        return {
+            "same": all(np.array_equal(a.out, b.out) for a, b in zip(batch.items, mine.items)),
+            "bytes_read": ckpt.stats.bytes_read - before[0],
+            "requests": ckpt.stats.requests - before[1],
+            "sent": plan.stats.bytes_sent,
+            "received": plan.stats.bytes_received,
+            "rounds": plan.rounds,
+            "own": own.stats.bytes_read - own_before,
+        }
+
+    real = run_ranks(WORLD, rank_load)
+    assert [r["same"] for r in real] == [True] * WORLD
+    assert min(r["rounds"] for r in real) > 1  # the small budget splits the moves into rounds
+
+    refs = array_paths(ucformat.open(store).manifest)
+    ids = {path: number for number, path in enumerate(refs)}
+    grids = {ids[path]: grid_of(ref) for path, ref in refs.items()}
+    sim = simulate_read_once(
+        grids, WORLD, lambda rank: {ids[p]: r for p, r in _needs(store, rank).items()}
+    )
+    assert [t.bytes_read for t in sim.ranks] == [r["bytes_read"] for r in real]
+    assert [t.requests for t in sim.ranks] == [r["requests"] for r in real]
+    assert [t.bytes_sent for t in sim.ranks] == [r["sent"] for r in real]
+    assert [t.bytes_received for t in sim.ranks] == [r["received"] for r in real]
+    assert [t.own_bytes for t in sim.ranks] == [r["own"] for r in real]
+    assert sim.storage_bytes < 0.6 * sim.own_bytes  # replicas and shared chunks read once
+    assert Path(store).exists()
