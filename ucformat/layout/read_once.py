@@ -19,9 +19,10 @@ ever holds the whole job's needs:
      the rest of it), or while the block is still too small to be worth a shard index of its
      own (``min_bytes``: the index is fetched once per reader and shard), up to ``max_bytes``
      (the unit of balance);
-   * each block gets one reader: the rank that needs most of its cells (least data moved),
-     then the one this home has given the fewest bytes so far, then a rotation fixed by the
-     shard (so that homes do not all favour the same ranks);
+   * each block gets one reader: among the ranks that need at least half as many of its cells
+     as the one needing most (a partition's boundary chunk goes with the partition), the one
+     this home has given the fewest bytes so far, ties broken by a hash of the block and the
+     rank (ranks in the same position of every parameter must not all win);
    * replies (one more all-to-all): the reader gets ``READ`` rows (the block's atoms) and a
      ``SEND`` row per atom and rank needing it (itself included), every other rank needing an
      atom a ``RECV`` row naming the reader;
@@ -277,7 +278,6 @@ def _plan_shard(
         plan.union_bytes += size
         plan.demanded_bytes += size * sum(len(members[c]) for c in who)
     floor = max(policy.min_bytes, policy.index_factor * grid.shard_index_bytes())
-    rotation = zlib.crc32(f"{array}/{shard[0]}/r".encode()) % world_size
     blocks: list[list[tuple[Rect, tuple[int, ...]]]] = []
     common: set[int] = set()
     size = 0
@@ -299,12 +299,7 @@ def _plan_shard(
             cells = (rect[1] - rect[0]) * (rect[3] - rect[2])
             for number in who:
                 need[number] = need.get(number, 0) + cells
-        candidates = [
-            (-need[number], load.get(rank, 0), (rank - rotation) % world_size, rank)
-            for number in need
-            for rank in members[number]
-        ]
-        reader = min(candidates)[3]
+        reader = _reader(f"{array}/{shard[0]}/{plan.blocks}", need, members, load)
         tag = plan.blocks
         plan.blocks += 1
         for rect, who in block:
@@ -317,6 +312,22 @@ def _plan_shard(
                     plan.rows.setdefault(reader, []).append(Row(SEND, array, rect, rank, tag))
                     if rank != reader:
                         plan.rows.setdefault(rank, []).append(Row(RECV, array, rect, reader))
+
+
+def _reader(
+    salt: str, need: Mapping[int, int], members: Sequence[Sequence[int]], load: Mapping[int, int]
+) -> int:
+    """The block's reader: among the ranks needing at least half as many of its cells as the
+    rank needing most (so that a partition's boundary chunk goes with the partition), the one
+    this home has given the fewest bytes, ties broken by a hash of the block and the rank (so
+    that ranks in the same position of every parameter do not all win)."""
+    most = max(need.values())
+    return min(
+        (load.get(rank, 0), zlib.crc32(f"{salt}/{rank}".encode()), rank)
+        for number, count in need.items()
+        if 2 * count >= most
+        for rank in members[number]
+    )[2]
 
 
 # --- rounds ---------------------------------------------------------------------------------

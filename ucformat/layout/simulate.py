@@ -21,8 +21,8 @@ and the bytes and requests each rank then reads and the bytes it moves.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from math import prod
 
 from ucformat.layout.cells import CellGrid, OutBox, Rect
@@ -31,6 +31,8 @@ from ucformat.layout.partition import PartitionedFlatLayout, PerParamLayout
 from ucformat.layout.read_once import (
     SEND,
     BlockPolicy,
+    Row,
+    ShardNeeds,
     group_ranks,
     plan_shards,
     rank_demands,
@@ -166,6 +168,9 @@ class RankTraffic:
     #: Demands it sends to homes, and demands it receives as a home.
     demands: int = 0
     homed: int = 0
+    #: Ranks it sends to, and ranks it receives from.
+    fan_out: int = 0
+    fan_in: int = 0
 
 
 @dataclass
@@ -178,6 +183,10 @@ class ReadOnceSimulation:
     union_bytes: int = 0
     demanded_bytes: int = 0
     blocks: int = 0
+    #: For the sampled ranks: what they receive as homes (grouped as a home groups it), and
+    #: the rows they get back from every home.
+    homed: dict[int, ShardNeeds] = field(default_factory=dict)
+    rows: dict[int, list[Row]] = field(default_factory=dict)
 
     @property
     def storage_bytes(self) -> int:
@@ -214,6 +223,8 @@ def simulate_read_once(
     world_size: int,
     needs_of: Callable[[int], RankNeeds],
     policy: BlockPolicy | None = None,
+    *,
+    sample: Callable[[ReadOnceSimulation], Iterable[int]] | None = None,
 ) -> ReadOnceSimulation:
     """Run the read-once planning of a ``world_size`` job with no data: every rank's demands
     (:func:`~ucformat.layout.read_once.rank_demands` of ``needs_of(rank)``), every home's plan
@@ -221,7 +232,9 @@ def simulate_read_once(
     then reads (:func:`~ucformat.layout.read_once.reads_cost`) and moves.
 
     Own reads are costed from the same demands: every chunk of a rank's rects and one index
-    per shard it touches; one index request and one range request per shard.
+    per shard it touches; one index request and one range request per shard. ``sample``,
+    called once every demand is known, names ranks whose inputs as a home and whose rows are
+    kept (to plan them again alone).
     """
     sim = ReadOnceSimulation(world_size, [RankTraffic() for _ in range(world_size)])
     per_home: list[dict[tuple[int, int], dict[int, list[Rect]]]] = [{} for _ in range(world_size)]
@@ -241,14 +254,21 @@ def simulate_read_once(
             sim.ranks[home].homed += 1
         traffic.own_bytes += sum(grids[a].shard_index_bytes() for a, _ in touched)
         traffic.own_requests += 2 * len(touched)
+    kept = set(sample(sim)) if sample is not None else set()
+    peers_out: list[set[int]] = [set() for _ in range(world_size)]
+    peers_in: list[set[int]] = [set() for _ in range(world_size)]
     for home in range(world_size):
         shards = {key: group_ranks(ranks) for key, ranks in per_home[home].items()}
         per_home[home] = {}
+        if home in kept:
+            sim.homed[home] = shards
         plan = plan_shards(shards, grids, world_size, policy, home=home)
         sim.union_bytes += plan.union_bytes
         sim.demanded_bytes += plan.demanded_bytes
         sim.blocks += plan.blocks - (home << 32)
         for rank, rows in plan.rows.items():
+            if rank in kept:
+                sim.rows.setdefault(rank, []).extend(rows)
             cost = reads_cost(rows, grids)
             traffic = sim.ranks[rank]
             traffic.bytes_read += cost.total
@@ -258,4 +278,8 @@ def simulate_read_once(
                     nbytes = grids[row.array].nbytes(row.rect)
                     traffic.bytes_sent += nbytes
                     sim.ranks[row.peer].bytes_received += nbytes
+                    peers_out[rank].add(row.peer)
+                    peers_in[row.peer].add(rank)
+    for rank, traffic in enumerate(sim.ranks):
+        traffic.fan_out, traffic.fan_in = len(peers_out[rank]), len(peers_in[rank])
     return sim

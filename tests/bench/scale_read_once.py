@@ -1,0 +1,633 @@
+"""Read once at 16,384 ranks, simulated with the real code: no tensor data, no processes.
+
+``python -m tests.bench.scale_read_once [--markdown] [--only NAME,...] [--cache DIR]``
+
+For each configuration a *manifest-only store* is generated for the model's shape (a
+``ucformat.json`` and nothing else: every array's chunk and shard shapes from the converter's
+own chunking, ``choose_chunking`` with the default policy, fp32 masters and both Adam states),
+opened with ``ucformat.open`` (the bytes and time every rank spends on the manifest), and every
+rank's needs are laid out by the real layout code:
+
+* ``llama405b-zero1``: Llama-3-405B (hidden 16384, MLP 53248, 126 layers, GQA 8 kv heads,
+  vocab 128256) at TP 8 x PP 16 x DP 128 = 16,384 ranks, DeepSpeed ZeRO-1: each (stage, tp
+  rank) flattens its tensor-parallel shards (column-parallel q/k/v/gate/up/embedding/head
+  rows, row-parallel o/down columns, replicated norms) into two param groups partitioned over
+  DP 128 (:class:`~ucformat.layout.partition.PartitionedFlatLayout`), each fragment taken back
+  to the full arrays (a row-parallel fragment: its rows of the rank's columns, as boxes);
+* ``llama405b-hsdp``: the same model and mesh with FSDP2 + TP as HSDP, ``(replicate 16,
+  shard 8, tp 8)`` per stage: every rank's local shard of every parameter of its stage from
+  :func:`~ucformat.layout.placements.local_intervals` (``_StridedShard`` over column-parallel
+  rows, ``Shard(0)`` over row-parallel ones, replicated norms sharded by FSDP only);
+* ``deepseek-v3-ep64``: DeepSeek-V3 (671B: MLA attention, 3 dense layers, 58 MoE layers of 256
+  routed experts plus a shared one) at EP 64 x PP 16 x DP 128 = 2,048 ranks, DeepSpeed MoE
+  ZeRO-1: the stage's dense parameters partitioned over DP 128, each rank's 4 experts per MoE
+  layer (:class:`~ucformat.layout.experts.ExpertRanks`) over their 2 expert-data-parallel ranks;
+* ``llama7b-zero3-w4096``: the LLaMA-7B ZeRO-3 load at W = 4,096 of the simulated-scale table
+  (fp32 state), every parameter in ``ceil(n / W)`` pieces.
+
+Then the job's read-once planning runs as the ranks would run it
+(:func:`ucformat.layout.simulate.simulate_read_once`: each rank's demands to their homes, each
+home's plan, each rank's reads and moves), and a sample of ranks (the first and last, the rank
+that is home to most demands, the rank with most rows) is planned again alone: its needs by
+the loaders' own path (per-row runs merged into boxes, as ``ucformat.torch.load`` and
+``ucformat.deepspeed.load`` hand them over), its demands, its homes' plan from the demands the
+others send it, and its rounds; timed, then again under ``tracemalloc`` for the peak.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import math
+import statistics
+import time
+import tracemalloc
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import ucformat
+from ucformat.format.models import ArrayRef, CheckpointManifest, OptimizerGroup, ParamEntry
+from ucformat.layout.cells import CellGrid, OutBox
+from ucformat.layout.chunking import ChunkPolicy, choose_chunking
+from ucformat.layout.experts import ExpertRanks
+from ucformat.layout.partition import Fragment, PartitionedFlatLayout, PerParamLayout
+from ucformat.layout.placements import Placement, local_intervals, local_runs
+from ucformat.layout.read_once import (
+    RECV,
+    SEND,
+    pair_cap,
+    plan_shards,
+    rank_demands,
+    schedule,
+)
+from ucformat.layout.simulate import ReadOnceSimulation, simulate_read_once
+from ucformat.read.batch import grid_of
+from ucformat.read.once import DEFAULT_BUDGET, array_paths
+
+KIB, MIB, GIB = 1024, 1024 * 1024, 1024**3
+STATES = ("fp32", "exp_avg", "exp_avg_sq")
+
+
+@dataclass(frozen=True)
+class Param:
+    """A parameter: its shape, how tensor parallelism splits it, its layer (-1: before the
+    first, ``layers``: after the last) and its expert id (None: dense)."""
+
+    name: str
+    shape: tuple[int, ...]
+    split: str  # "col" (rows), "row" (columns), "rep"
+    layer: int
+    expert: int | None = None
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+def llama405b() -> tuple[list[Param], int]:
+    """Llama-3-405B's parameters in module order, and its layer count."""
+    h, f, layers, vocab, kv = 16384, 53248, 126, 128256, 1024
+    out = [Param("model.embed_tokens.weight", (vocab, h), "col", -1)]
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        out += [
+            Param(p + "input_layernorm.weight", (h,), "rep", i),
+            Param(p + "self_attn.q_proj.weight", (h, h), "col", i),
+            Param(p + "self_attn.k_proj.weight", (kv, h), "col", i),
+            Param(p + "self_attn.v_proj.weight", (kv, h), "col", i),
+            Param(p + "self_attn.o_proj.weight", (h, h), "row", i),
+            Param(p + "post_attention_layernorm.weight", (h,), "rep", i),
+            Param(p + "mlp.gate_proj.weight", (f, h), "col", i),
+            Param(p + "mlp.up_proj.weight", (f, h), "col", i),
+            Param(p + "mlp.down_proj.weight", (h, f), "row", i),
+        ]
+    out += [Param("model.norm.weight", (h,), "rep", layers)]
+    out += [Param("lm_head.weight", (vocab, h), "col", layers)]
+    return out, layers
+
+
+def deepseek_v3() -> tuple[list[Param], int]:
+    """DeepSeek-V3's parameters (HF names) in module order, and its layer count."""
+    h, layers, vocab, experts, moe_f, dense_f = 7168, 61, 129280, 256, 2048, 18432
+    out = [Param("model.embed_tokens.weight", (vocab, h), "rep", -1)]
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        out += [
+            Param(p + "input_layernorm.weight", (h,), "rep", i),
+            Param(p + "self_attn.q_a_proj.weight", (1536, h), "rep", i),
+            Param(p + "self_attn.q_a_layernorm.weight", (1536,), "rep", i),
+            Param(p + "self_attn.q_b_proj.weight", (128 * 192, 1536), "rep", i),
+            Param(p + "self_attn.kv_a_proj_with_mqa.weight", (576, h), "rep", i),
+            Param(p + "self_attn.kv_a_layernorm.weight", (512,), "rep", i),
+            Param(p + "self_attn.kv_b_proj.weight", (128 * 256, 512), "rep", i),
+            Param(p + "self_attn.o_proj.weight", (h, 128 * 128), "rep", i),
+            Param(p + "post_attention_layernorm.weight", (h,), "rep", i),
+        ]
+        mlp = [("gate_proj", (moe_f, h)), ("up_proj", (moe_f, h)), ("down_proj", (h, moe_f))]
+        if i < 3:
+            out += [
+                Param(p + "mlp.gate_proj.weight", (dense_f, h), "rep", i),
+                Param(p + "mlp.up_proj.weight", (dense_f, h), "rep", i),
+                Param(p + "mlp.down_proj.weight", (h, dense_f), "rep", i),
+            ]
+            continue
+        out += [Param(p + "mlp.gate.weight", (experts, h), "rep", i)]
+        out += [Param(p + f"mlp.shared_experts.{n}.weight", s, "rep", i) for n, s in mlp]
+        for e in range(experts):
+            out += [Param(p + f"mlp.experts.{e}.{n}.weight", s, "rep", i, e) for n, s in mlp]
+    out += [Param("model.norm.weight", (h,), "rep", layers)]
+    out += [Param("lm_head.weight", (vocab, h), "rep", layers)]
+    return out, layers
+
+
+# --- the manifest-only store --------------------------------------------------------------------
+def _template(cache: Path) -> CheckpointManifest:
+    """A real manifest of a tiny model (source, optimizer, progress: everything but params)."""
+    import torch
+
+    path = cache / "template.ucf"
+    if not (path / "ucformat.json").exists():
+        model = torch.nn.Linear(4, 4)
+        optimizer = torch.optim.AdamW(model.parameters())
+        model(torch.ones(1, 4)).sum().backward()
+        optimizer.step()
+        ucformat.torch.save(model, optimizer, str(path), overwrite=True, fsync=False)
+    return ucformat.open(str(path)).manifest
+
+
+def manifest_store(name: str, params: Sequence[Param], cache: Path) -> Path:
+    """``<cache>/<name>.ucf``: only ``ucformat.json`` (see the module docstring)."""
+    from ucformat.store.keys import open_store
+    from ucformat.store.manifest_io import commit_manifest
+
+    path = cache / f"{name}.ucf"
+    if (path / "ucformat.json").exists():
+        return path
+    template = _template(cache)
+    policy = ChunkPolicy()
+    entries: dict[str, ParamEntry] = {}
+    by_shape: dict[tuple[int, ...], Any] = {}
+    step = next(iter(template.params.values())).scalars
+    for param in params:
+        chunking = by_shape.get(param.shape)
+        if chunking is None:
+            chunking = by_shape[param.shape] = choose_chunking(param.shape, 4, policy)
+        states = {
+            state: ArrayRef(
+                path=f"params/{param.name}/{state}",
+                dtype="float32",
+                shape=list(param.shape),
+                chunk_shape=list(chunking.chunk_shape),
+                shard_shape=list(chunking.shard_shape),
+                nbytes=4 * param.numel,
+            )
+            for state in STATES
+        }
+        entries[param.name] = ParamEntry(
+            shape=list(param.shape), dtype="bfloat16", requires_grad=True,
+            group=0 if len(param.shape) >= 2 else 1, states=states, scalars=step,
+        )  # fmt: skip
+    assert template.optimizer is not None
+    hyper = template.optimizer.groups[0].hyperparams
+    groups = [
+        OptimizerGroup(params=[p.name for p in params if len(p.shape) >= 2], hyperparams=hyper),
+        OptimizerGroup(params=[p.name for p in params if len(p.shape) < 2], hyperparams=hyper),
+    ]
+    manifest = template.model_copy(
+        update={
+            "params": entries,
+            "optimizer": template.optimizer.model_copy(update={"groups": groups}),
+        }
+    )
+    path.mkdir(parents=True, exist_ok=True)
+    commit_manifest(open_store(str(path), read_only=False), manifest, durable=False)
+    return path
+
+
+# --- every rank's needs, from the layout code ---------------------------------------------------
+Needs = dict[int, list[tuple[int, int]] | list[OutBox]]
+
+
+def _stages(layers: int, stages: int) -> list[int]:
+    """The first layer of each pipeline stage (the layers split as evenly as they go)."""
+    return [s * layers // stages for s in range(stages)] + [layers]
+
+
+def _stage_of(param: Param, bounds: list[int]) -> int:
+    if param.layer < 0:
+        return 0
+    for stage in range(len(bounds) - 1):
+        if param.layer < bounds[stage + 1]:
+            return stage
+    return len(bounds) - 2
+
+
+class Layout:
+    """A job's ranks and what each needs (subclasses), over one manifest's array ids."""
+
+    name: str
+    world_size: int
+
+    def __init__(self, params: Sequence[Param], layers: int, ids: dict[str, int]) -> None:
+        self.params = list(params)
+        self.ids = ids
+        self.layers = layers
+
+    def needs(self, rank: int) -> Needs:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def loader_needs(self, rank: int) -> Needs:
+        """The same needs as a loader hands them over (per-row runs where it has them)."""
+        return self.needs(rank)
+
+    def _add(
+        self, needs: Needs, param: Param, pieces: list[tuple[int, int]] | list[OutBox]
+    ) -> None:
+        for state in STATES:
+            needs.setdefault(self.ids[f"params/{param.name}/{state}"], []).extend(pieces)  # type: ignore[arg-type]
+
+
+def _shard_of(param: Param, tp: int, t: int) -> tuple[int, ...]:
+    if param.split == "rep" or tp == 1:
+        return param.shape
+    if param.split == "col":
+        return (param.shape[0] // tp, *param.shape[1:])
+    return (param.shape[0], param.shape[1] // tp)
+
+
+def _logical(
+    param: Param, tp: int, t: int, start: int, stop: int
+) -> list[tuple[int, int]] | list[OutBox]:
+    """A fragment ``[start, stop)`` of rank ``t``'s tensor-parallel shard, in the full array:
+    a flat range (replicated, column-parallel) or the boxes of its rows (row-parallel)."""
+    if param.split == "rep" or tp == 1:
+        return [(start, stop)]
+    rows, cols = param.shape
+    if param.split == "col":
+        base = t * (rows // tp) * cols
+        return [(base + start, base + stop)]
+    width = cols // tp
+    x0 = t * width
+    boxes: list[OutBox] = []
+    y, x = divmod(start, width)
+    end_y, end_x = divmod(stop, width)
+    if y == end_y:
+        return [OutBox(y, y + 1, x0 + x, x0 + end_x, 0, width)]
+    if x:
+        boxes.append(OutBox(y, y + 1, x0 + x, x0 + width, 0, width))
+        y += 1
+    if y < end_y:
+        boxes.append(OutBox(y, end_y, x0, x0 + width, 0, width))
+    if end_x:
+        boxes.append(OutBox(end_y, end_y + 1, x0, x0 + end_x, 0, width))
+    return boxes
+
+
+class DenseZero1(Layout):
+    """DeepSpeed ZeRO-1 with tensor and pipeline parallelism (module docstring)."""
+
+    def __init__(self, params: Sequence[Param], layers: int, ids: dict[str, int], *, tp: int,
+                 pp: int, dp: int) -> None:  # fmt: skip
+        super().__init__(params, layers, ids)
+        self.name = f"zero1 tp{tp} pp{pp} dp{dp}"
+        self.tp, self.pp, self.dp = tp, pp, dp
+        self.world_size = tp * pp * dp
+        bounds = _stages(layers, pp)
+        self.stage_params = [[p for p in params if _stage_of(p, bounds) == s] for s in range(pp)]
+
+    def coords(self, rank: int) -> tuple[int, int, int]:
+        """(stage, dp rank, tp rank)."""
+        return rank // (self.tp * self.dp), rank // self.tp % self.dp, rank % self.tp
+
+    @functools.lru_cache(maxsize=64)  # noqa: B019 - a handful of (stage, tp) layouts per run
+    def groups(self, stage: int, t: int) -> list[PartitionedFlatLayout]:
+        """The stage's two flat groups (matrices, vectors) of tp rank ``t``'s shards."""
+        members = self.stage_params[stage]
+        out = []
+        for matrices in (True, False):
+            group = [(p.name, math.prod(_shard_of(p, self.tp, t))) for p in members
+                     if (len(p.shape) >= 2) == matrices]  # fmt: skip
+            out.append(PartitionedFlatLayout.build(group, self.dp))
+        return out
+
+    def fragments(self, rank: int) -> Iterator[tuple[Param, Fragment]]:
+        stage, d, t = self.coords(rank)
+        by_name = {p.name: p for p in self.stage_params[stage]}
+        for layout in self.groups(stage, t):
+            for fragment in layout.fragments(d):
+                yield by_name[fragment.name], fragment
+
+    def needs(self, rank: int) -> Needs:
+        t = self.coords(rank)[2]
+        needs: Needs = {}
+        for param, f in self.fragments(rank):
+            self._add(needs, param, _logical(param, self.tp, t, f.param_start, f.param_stop))
+        return needs
+
+    def loader_needs(self, rank: int) -> Needs:
+        """As ``ucformat.deepspeed.load`` hands them over: each fragment through the rank's
+        real :class:`~ucformat.layout.tensor_parallel.ShardMap` (one run per row of a
+        row-parallel shard), as flat ranges."""
+        from ucformat.layout.tensor_parallel import ShardMap, split_pieces
+
+        t = self.coords(rank)[2]
+        needs: Needs = {}
+        for param, f in self.fragments(rank):
+            if param.split == "rep":
+                runs = [(f.param_start, f.param_stop)]
+            else:
+                dim = 0 if param.split == "col" else 1
+                widths = [[param.shape[dim] // self.tp] * self.tp]
+                pieces = split_pieces(param.shape, dim, widths)[t]
+                shard = ShardMap.build(
+                    param.shape, _shard_of(param, self.tp, t), pieces, param.name
+                )
+                runs = [(r.logical_start, r.logical_start + r.length)
+                        for r in shard.translate(f.param_start, f.length)]  # fmt: skip
+            self._add(needs, param, runs)
+        return needs
+
+
+class DenseHSDP(Layout):
+    """FSDP2 + TP as HSDP, per pipeline stage (module docstring)."""
+
+    def __init__(self, params: Sequence[Param], layers: int, ids: dict[str, int], *, tp: int,
+                 pp: int, replicate: int, shard: int) -> None:  # fmt: skip
+        super().__init__(params, layers, ids)
+        self.name = f"hsdp tp{tp} pp{pp} dp{replicate}x{shard}"
+        self.mesh = (replicate, shard, tp)
+        self.world_size = replicate * shard * tp * pp
+        bounds = _stages(layers, pp)
+        self.stage_params = [[p for p in params if _stage_of(p, bounds) == s] for s in range(pp)]
+
+    def placements(self, param: Param) -> tuple[Placement, ...]:
+        tp = self.mesh[2]
+        if param.split == "col":
+            return Placement("replicate"), Placement("strided", 0, tp), Placement("shard", 0)
+        if param.split == "row":
+            return Placement("replicate"), Placement("shard", 0), Placement("shard", 1)
+        return Placement("replicate"), Placement("shard", 0), Placement("replicate")
+
+    def coords(self, rank: int) -> tuple[int, tuple[int, int, int]]:
+        per_stage = math.prod(self.mesh)
+        stage, rest = divmod(rank, per_stage)
+        r, rest = divmod(rest, self.mesh[1] * self.mesh[2])
+        s, t = divmod(rest, self.mesh[2])
+        return stage, (r, s, t)
+
+    def needs(self, rank: int) -> Needs:
+        stage, coordinate = self.coords(rank)
+        needs: Needs = {}
+        for param in self.stage_params[stage]:
+            held = local_intervals(param.shape, self.mesh, self.placements(param), coordinate)
+            if len(param.shape) == 1:
+                pieces: list[Any] = list(held[0])
+            else:
+                pieces = [OutBox(y0, y1, x0, x1, 0, x1 - x0) for y0, y1 in held[0]
+                          for x0, x1 in held[1]]  # fmt: skip
+            self._add(needs, param, pieces)
+        return needs
+
+    def loader_needs(self, rank: int) -> Needs:
+        """As ``ucformat.torch.load`` hands them over: the local shard's runs
+        (:func:`~ucformat.layout.placements.local_runs`: one per row of a column block)."""
+        stage, coordinate = self.coords(rank)
+        needs: Needs = {}
+        for param in self.stage_params[stage]:
+            held = local_intervals(param.shape, self.mesh, self.placements(param), coordinate)
+            runs = [(r.start, r.start + r.length) for r in local_runs(param.shape, held)]
+            self._add(needs, param, runs)
+        return needs
+
+
+class MoEZero1(Layout):
+    """DeepSpeed MoE, ZeRO-1, with pipeline parallelism (module docstring)."""
+
+    def __init__(self, params: Sequence[Param], layers: int, ids: dict[str, int], *, ep: int,
+                 pp: int, dp: int, experts: int = 256) -> None:  # fmt: skip
+        super().__init__(params, layers, ids)
+        self.name = f"moe ep{ep} pp{pp} dp{dp}"
+        self.pp, self.dp = pp, dp
+        self.ranks = ExpertRanks(world_size=dp, ep_size=ep, num_experts=experts)
+        self.world_size = pp * dp
+        bounds = _stages(layers, pp)
+        self.stage_params = [[p for p in params if _stage_of(p, bounds) == s] for s in range(pp)]
+
+    @functools.lru_cache(maxsize=64)  # noqa: B019 - one per stage
+    def dense(self, stage: int) -> list[PartitionedFlatLayout]:
+        members = [p for p in self.stage_params[stage] if p.expert is None]
+        return [
+            PartitionedFlatLayout.build(
+                [(p.name, p.numel) for p in members if (len(p.shape) >= 2) == matrices], self.dp
+            )
+            for matrices in (True, False)
+        ]
+
+    @functools.lru_cache(maxsize=1024)  # noqa: B019 - one per stage and EP rank
+    def experts(self, stage: int, ep_rank: int) -> PartitionedFlatLayout:
+        held = range(ep_rank * self.ranks.num_local, (ep_rank + 1) * self.ranks.num_local)
+        members = [p for p in self.stage_params[stage] if p.expert in held]
+        return PartitionedFlatLayout.build(
+            [(p.name, p.numel) for p in members], self.ranks.expert_dp_size
+        )
+
+    def needs(self, rank: int) -> Needs:
+        stage, d = divmod(rank, self.dp)
+        by_name = {p.name: p for p in self.stage_params[stage]}
+        needs: Needs = {}
+        for layout in self.dense(stage):
+            for f in layout.fragments(d):
+                self._add(needs, by_name[f.name], [(f.param_start, f.param_stop)])
+        mine = self.experts(stage, self.ranks.ep_rank(d))
+        for f in mine.fragments(self.ranks.expert_dp_rank(d)):
+            self._add(needs, by_name[f.name], [(f.param_start, f.param_stop)])
+        return needs
+
+
+class Zero3(Layout):
+    """Every parameter in ``ceil(n / W)`` pieces (fp32 only: the simulated-scale table)."""
+
+    def __init__(self, params: Sequence[Param], layers: int, ids: dict[str, int], *,
+                 world_size: int) -> None:  # fmt: skip
+        super().__init__(params, layers, ids)
+        self.name = f"zero3 w{world_size} (fp32)"
+        self.world_size = world_size
+        self.layout = PerParamLayout.build([(p.name, p.numel) for p in params], world_size)
+
+    def needs(self, rank: int) -> Needs:
+        return {
+            self.ids[f"params/{f.name}/fp32"]: [(f.param_start, f.param_stop)]
+            for f in self.layout.fragments(rank)
+        }
+
+
+# --- one configuration ----------------------------------------------------------------------------
+@dataclass
+class Result:
+    """What one configuration gives."""
+
+    config: str
+    model: str
+    world_size: int
+    arrays: int
+    manifest_bytes: int
+    open_s: float
+    open_mib: float
+    needed: int
+    sim: ReadOnceSimulation | None = None
+    sim_s: float = 0.0
+    samples: list[dict[str, Any]] = field(default_factory=list)
+
+
+def _sample_ranks(sim: ReadOnceSimulation) -> list[int]:
+    """The first and last rank, the rank home to most demands, the one sending most."""
+    ranks = range(sim.world_size)
+    homed = max(ranks, key=lambda r: sim.ranks[r].homed)
+    busiest = max(ranks, key=lambda r: sim.ranks[r].demands)
+    return sorted({0, sim.world_size - 1, homed, busiest})
+
+
+def _plan_rank(rank: int, layout: Layout, grids: dict[int, CellGrid],
+               sim: ReadOnceSimulation) -> int:  # fmt: skip
+    """What one rank plans alone: its needs as its loader hands them over, its demands, its
+    homes' plan, its rounds (module docstring); the rows it plans with."""
+    world = layout.world_size
+    demands = rank_demands(rank, layout.loader_needs(rank), grids, world)
+    plan = plan_shards(sim.homed[rank], grids, world, home=rank)
+    rows = sim.rows.get(rank, [])
+    out: dict[int, list[Any]] = {}
+    into: dict[int, list[Any]] = {}
+    for row in rows:
+        if row.kind == SEND and row.peer != rank:
+            out.setdefault(row.peer, []).append((row.array, row.rect))
+        elif row.kind == RECV:
+            into.setdefault(row.peer, []).append((row.array, row.rect))
+    fans = sim.ranks
+    for peer, atoms in out.items():
+        schedule(atoms, grids, pair_cap(DEFAULT_BUDGET, fans[rank].fan_out, fans[peer].fan_in))
+    for peer, atoms in into.items():
+        schedule(atoms, grids, pair_cap(DEFAULT_BUDGET, fans[peer].fan_out, fans[rank].fan_in))
+    return len(demands) + sum(len(r) for r in plan.rows.values()) + len(rows)
+
+
+def run_config(
+    name: str, model: str, params: Sequence[Param], layers: int, cache: Path,
+    make: Callable[[Sequence[Param], int, dict[str, int]], Layout], *, samples: bool = True,
+) -> Result:  # fmt: skip
+    """Simulate one configuration (module docstring)."""
+    store = manifest_store(model, params, cache)
+    size = (store / "ucformat.json").stat().st_size
+    started = time.perf_counter()
+    ckpt = ucformat.open(str(store))
+    open_s = time.perf_counter() - started
+    tracemalloc.start()
+    ucformat.open(str(store))
+    open_mib = tracemalloc.get_traced_memory()[1] / MIB
+    tracemalloc.stop()
+    refs = array_paths(ckpt.manifest)
+    ids = {path: number for number, path in enumerate(refs)}
+    grids = {ids[path]: grid_of(ref) for path, ref in refs.items()}
+    layout = make(params, layers, ids)
+    result = Result(name, model, layout.world_size, len(refs), size, open_s, open_mib, 0)
+    started = time.perf_counter()
+    sim = simulate_read_once(grids, layout.world_size, layout.needs,
+                             sample=_sample_ranks if samples else None)  # fmt: skip
+    result.sim_s = time.perf_counter() - started
+    result.sim = sim
+    states = STATES if not isinstance(layout, Zero3) else ("fp32",)
+    result.needed = sum(4 * p.numel for p in params) * len(states)
+    for rank in sorted(sim.homed):
+        started = time.perf_counter()
+        rows = _plan_rank(rank, layout, grids, sim)
+        seconds = time.perf_counter() - started
+        tracemalloc.start()
+        _plan_rank(rank, layout, grids, sim)
+        peak = tracemalloc.get_traced_memory()[1] / MIB
+        tracemalloc.stop()
+        traffic = sim.ranks[rank]
+        result.samples.append({"rank": rank, "seconds": round(seconds, 3),
+                               "peak_mib": round(peak, 1), "rows": rows,
+                               "bytes_read": traffic.bytes_read, "requests": traffic.requests,
+                               "demands": traffic.demands, "homed": traffic.homed})  # fmt: skip
+    return result
+
+
+CONFIGS: dict[str, tuple[str, Callable[..., Layout]]] = {
+    "llama405b-zero1": ("llama405b", functools.partial(DenseZero1, tp=8, pp=16, dp=128)),
+    "llama405b-hsdp": (
+        "llama405b",
+        functools.partial(DenseHSDP, tp=8, pp=16, replicate=16, shard=8),
+    ),
+    "deepseek-v3-ep64": ("deepseek-v3", functools.partial(MoEZero1, ep=64, pp=16, dp=128)),
+}
+MODELS = {"llama405b": llama405b, "deepseek-v3": deepseek_v3}
+
+
+def markdown(results: Sequence[Result]) -> str:
+    """The results as the table in docs/benchmarks.md."""
+    head = ["config", "W", "arrays", "manifest", "open s", "plan s / MiB (max of sample)",
+            "storage / needed (own)", "requests (own)", "read per rank max / mean",
+            "exchanged"]  # fmt: skip
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in results:
+        assert r.sim is not None
+        sim = r.sim
+        reads = [t.bytes_read for t in sim.ranks]
+        plan_s = max((s["seconds"] for s in r.samples), default=float("nan"))
+        plan_mib = max((s["peak_mib"] for s in r.samples), default=float("nan"))
+        cells = [
+            r.config, f"{r.world_size:,}", f"{r.arrays:,}", f"{r.manifest_bytes / MIB:.1f} MiB",
+            f"{r.open_s:.2f}", f"{plan_s:.2f} / {plan_mib:.0f}",
+            f"{sim.storage_bytes / r.needed:.4f} ({sim.own_bytes / r.needed:.3f})",
+            f"{sim.storage_requests:,} ({sim.own_requests:,})",
+            f"{max(reads) / MIB:,.0f} / {statistics.mean(reads) / MIB:,.0f} MiB",
+            f"{sim.exchanged_bytes / GIB:,.1f} GiB",
+        ]  # fmt: skip
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the configurations and print the table."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", default="", help="comma-separated configuration names")
+    parser.add_argument("--cache", type=Path, default=Path("/tmp/ucf_scale_read_once"))
+    parser.add_argument("--markdown", action="store_true")
+    parser.add_argument("--no-samples", action="store_true")
+    args = parser.parse_args(argv)
+    args.cache.mkdir(parents=True, exist_ok=True)
+    wanted = [n for n in args.only.split(",") if n] or [*CONFIGS, "llama7b-zero3-w4096"]
+    results = []
+    for name in wanted:
+        started = time.perf_counter()
+        if name == "llama7b-zero3-w4096":
+            from tests.bench.scale import LLAMA_7B
+
+            params = [Param(n, s, "rep", 0) for n, s in LLAMA_7B.params()]
+            result = run_config(name, "llama7b", params, 32, args.cache,
+                                functools.partial(Zero3, world_size=4096),
+                                samples=not args.no_samples)  # fmt: skip
+        else:
+            model, make = CONFIGS[name]
+            params, layers = MODELS[model]()
+            result = run_config(name, model, params, layers, args.cache, make,
+                                samples=not args.no_samples)  # fmt: skip
+        results.append(result)
+        sim = result.sim
+        assert sim is not None
+        print(
+            f"{name}: W={result.world_size} storage/needed {sim.storage_bytes / result.needed:.4f}"
+            f" own {sim.own_bytes / result.needed:.3f} requests {sim.storage_requests} own "
+            f"{sim.own_requests} sim {result.sim_s:.0f} s, total "
+            f"{time.perf_counter() - started:.0f} s; samples {result.samples}",
+            flush=True,
+        )
+    if args.markdown:
+        print(markdown(results))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
