@@ -495,7 +495,7 @@ def _plan_rank(rank: int, layout: Layout, grids: dict[int, CellGrid],
     homes' plan, its rounds (module docstring); the rows it plans with."""
     world = layout.world_size
     demands = rank_demands(rank, layout.loader_needs(rank), grids, world)
-    plan = plan_shards(sim.homed[rank], grids, world, home=rank)
+    plan = plan_shards(sim.homed[rank], grids, home=rank)
     rows = sim.rows.get(rank, [])
     out: dict[int, list[Any]] = {}
     into: dict[int, list[Any]] = {}

@@ -50,9 +50,7 @@ def _needs(store: str, rank: int) -> dict[str, list[tuple[int, int]]]:
     manifest = ucformat.open(store).manifest
     needs: dict[str, list[tuple[int, int]]] = {}
     names = list(manifest.params)
-    pieces = PerParamLayout.build(
-        [(n, math.prod(manifest.params[n].shape)) for n in names], WORLD
-    )
+    pieces = PerParamLayout.build([(n, math.prod(manifest.params[n].shape)) for n in names], WORLD)
     for fragment in pieces.fragments(rank):
         ref = manifest.params[fragment.name].states["fp32"]
         needs[ref.path] = [(fragment.param_start, fragment.param_stop)]
@@ -95,7 +93,9 @@ def test_simulation_predicts_a_real_load(store: str) -> None:
         own_before = own.stats.bytes_read  # the manifest
         read_own(own, mine)
         return {
-            "same": all(np.array_equal(a.out, b.out) for a, b in zip(batch.items, mine.items)),
+            "same": all(
+                np.array_equal(a.out, b.out) for a, b in zip(batch.items, mine.items, strict=True)
+            ),
             "bytes_read": ckpt.stats.bytes_read - before[0],
             "requests": ckpt.stats.requests - before[1],
             "sent": plan.stats.bytes_sent,

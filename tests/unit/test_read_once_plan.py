@@ -168,10 +168,10 @@ def test_home_plan_reads_each_cell_once(seed: int) -> None:
     world = rng.choice([2, 3, 4, 7])
     policy = BlockPolicy(max_bytes=rng.choice([64, 512, 1 << 20]), min_bytes=rng.choice([0, 256]))
     grids, demands = _job(rng, world)
-    plan = plan_home(demands, grids, world, policy, home=3)
+    plan = plan_home(demands, grids, policy, home=3)
     shuffled = demands[:]
     rng.shuffle(shuffled)
-    assert plan_home(shuffled, grids, world, policy, home=3).rows == plan.rows
+    assert plan_home(shuffled, grids, policy, home=3).rows == plan.rows
     needers: dict[tuple[int, int], set[int]] = {}
     for d in demands:
         for cell in _cells(grids[d.array], d.rect):
@@ -211,7 +211,7 @@ def test_home_plan_reads_each_cell_once(seed: int) -> None:
 
 def test_both_ends_schedule_the_same_rounds() -> None:
     grids, demands = _job(random.Random(5), 4)
-    plan = plan_home(demands, grids, 4, BlockPolicy(max_bytes=256, min_bytes=0))
+    plan = plan_home(demands, grids, BlockPolicy(max_bytes=256, min_bytes=0))
     sends: dict[tuple[int, int], list[tuple[int, tuple[int, int, int, int]]]] = {}
     recvs: dict[tuple[int, int], list[tuple[int, tuple[int, int, int, int]]]] = {}
     for rank, rows in plan.rows.items():

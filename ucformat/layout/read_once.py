@@ -205,7 +205,6 @@ ShardNeeds = Mapping[tuple[int, int], Mapping[tuple[Rect, ...], Sequence[int]]]
 def plan_home(
     demands: Iterable[Demand],
     grids: Mapping[int, CellGrid],
-    world_size: int,
     policy: BlockPolicy | None = None,
     *,
     home: int = 0,
@@ -222,11 +221,7 @@ def plan_home(
             demand.rect
         )
     return plan_shards(
-        {key: group_ranks(ranks) for key, ranks in by_rank.items()},
-        grids,
-        world_size,
-        policy,
-        home=home,
+        {key: group_ranks(ranks) for key, ranks in by_rank.items()}, grids, policy, home=home
     )
 
 
@@ -241,7 +236,6 @@ def group_ranks(ranks: Mapping[int, Iterable[Rect]]) -> dict[tuple[Rect, ...], l
 def plan_shards(
     shards: ShardNeeds,
     grids: Mapping[int, CellGrid],
-    world_size: int,
     policy: BlockPolicy | None = None,
     *,
     home: int = 0,
@@ -254,8 +248,9 @@ def plan_shards(
     load: dict[int, int] = {}
     for array, shard_lo in sorted(shards):
         grid = grids[array]
-        _plan_shard(plan, load, grid, array, grid.shard_of(shard_lo), shards[array, shard_lo],
-                    world_size, policy)  # fmt: skip
+        _plan_shard(
+            plan, load, grid, array, grid.shard_of(shard_lo), shards[array, shard_lo], policy
+        )
     return plan
 
 
@@ -266,7 +261,6 @@ def _plan_shard(
     array: int,
     shard: tuple[int, int],
     grouped: Mapping[tuple[Rect, ...], Sequence[int]],
-    world_size: int,
     policy: BlockPolicy,
 ) -> None:
     keys = sorted(grouped, key=lambda k: min(grouped[k]))

@@ -262,7 +262,7 @@ def simulate_read_once(
         per_home[home] = {}
         if home in kept:
             sim.homed[home] = shards
-        plan = plan_shards(shards, grids, world_size, policy, home=home)
+        plan = plan_shards(shards, grids, policy, home=home)
         sim.union_bytes += plan.union_bytes
         sim.demanded_bytes += plan.demanded_bytes
         sim.blocks += plan.blocks - (home << 32)

@@ -217,7 +217,7 @@ def plan_shared(
     ]
     for demand in demands:
         grid(demand.array)
-    home = plan_home(demands, grids, world, policy, home=me)  # this rank's shards
+    home = plan_home(demands, grids, policy, home=me)  # this rank's shards
     replies = transport.blobs(
         [
             _encode([[r.kind, r.array, *r.rect, r.peer, r.block] for r in home.rows.get(d, [])],
