@@ -207,10 +207,17 @@ def load(
     failure = None
     if plan is not None and plan.stats.mode == "once":
         batch = ReadBatch()
-        staged = _batch_everything(ckpt, view, layout, state_keys, frozen, buffers, batch, tally)
+        staged = None
+        try:
+            staged = _batch_everything(
+                ckpt, view, layout, state_keys, frozen, buffers, batch, tally
+            )
+        except (UCFormatError, OSError, ValueError) as exc:  # still read and send for the others
+            failure, batch = exc, ReadBatch()
         outcome = read_planned(ckpt, plan, batch, ranks)
-        failure = outcome.failure
-        parts, frozen_values, buffer_values = staged.values() if failure is None else ([], {}, {})
+        failure = failure or outcome.failure
+        if failure is None and staged is not None:
+            parts, frozen_values, buffer_values = staged.values()
         if failure is None and odd:  # states not elementwise (3.1): whole, by their holders
             try:
                 odd_values.extend(read_odd_states(ckpt, odd, tally))

@@ -33,6 +33,7 @@ from ucformat.collective import NOTHING_LOADED, settle
 from ucformat.collective import group as ranks_group
 from ucformat.errors import (
     ModelMismatchError,
+    UCFormatError,
     UnsupportedExportError,
 )
 from ucformat.format.dtypes import itemsize
@@ -182,20 +183,24 @@ def load_sharded(
     pending_buffers: dict[str, Pending] = {}
     needed = 0
     batch = ReadBatch()
-    for name, param in params.items():
-        if manifest.resolve(name) not in manifest.params:
-            continue
-        keys = state_keys if name in trainable else []
-        read, count = _read_param(ckpt, name, param, keys, batch)
-        reads.append(read)
-        needed += count
-    for name in buffers:
-        if name in manifest.buffers:
-            pending_buffers[name] = batch.whole(ckpt, name, BUFFER_STATE)
-            needed += manifest.buffers[name].array.nbytes
+    failure: BaseException | None = None
+    try:
+        for name, param in params.items():
+            if manifest.resolve(name) not in manifest.params:
+                continue
+            keys = state_keys if name in trainable else []
+            read, count = _read_param(ckpt, name, param, keys, batch)
+            reads.append(read)
+            needed += count
+        for name in buffers:
+            if name in manifest.buffers:
+                pending_buffers[name] = batch.whole(ckpt, name, BUFFER_STATE)
+                needed += manifest.buffers[name].array.nbytes
+    except (UCFormatError, OSError) as exc:  # still take part in the job's reads
+        failure, batch = exc, ReadBatch()
     group = ranks_group().operation()
     outcome = read_batch(ckpt, batch, group, read=read_mode)
-    settle(outcome.failure, group, ckpt.where, undone=NOTHING_LOADED)
+    settle(failure or outcome.failure, group, ckpt.where, undone=NOTHING_LOADED)
     buffer_values = {name: pending.value() for name, pending in pending_buffers.items()}
 
     # --- nothing above modified the model or the optimizer; from here on, write ---------------
