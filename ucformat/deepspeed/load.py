@@ -57,7 +57,7 @@ from ucformat.read.partitions import (
     rank_fragments,
     read_flat_state,
 )
-from ucformat.read.shared import ReadOutcome, check_mode, job_totals, plan_reads, read_planned
+from ucformat.read.shared import JobReport, ReadOutcome, check_mode, plan_reads, read_planned
 from ucformat.read.staging import wants_pinned
 from ucformat.store.keys import StoreLike
 
@@ -65,8 +65,9 @@ __all__ = ["LoadReport", "load"]
 
 
 @dataclass
-class LoadReport:
-    """What :func:`load` did on this rank."""
+class LoadReport(JobReport):
+    """What :func:`load` did on this rank (and how the job read:
+    :class:`~ucformat.read.shared.JobReport`)."""
 
     restored: list[str] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)
@@ -87,21 +88,6 @@ class LoadReport:
     #: when they went through new tensors (docs/loading.md, "How a rank reads only its
     #: partition").
     read_in_place: bool = False
-    #: How the job read: ``"once"`` (each chunk once job-wide, then shared over the process
-    #: group) or ``"own"`` (each rank its own bytes); see ``read=`` of :func:`load`.
-    read_mode: str = "own"
-    #: Bytes this rank sent to and received from other ranks (``"once"``).
-    bytes_sent: int = 0
-    bytes_received: int = 0
-    #: Job-wide (summed over the ranks; None in one process): bytes fetched from storage,
-    #: requests, bytes exchanged, bytes needed (replicas counted each time).
-    job_bytes_read: int | None = None
-    job_requests: int | None = None
-    job_bytes_exchanged: int | None = None
-    job_bytes_needed: int | None = None
-    #: Bytes of the chunks some rank needed, each chunk once (what storage must serve at the
-    #: least); known where the job planned its reads together (``read`` not ``"own"``).
-    job_chunk_bytes_needed: int | None = None
 
     @property
     def read_amplification(self) -> float:
@@ -263,18 +249,7 @@ def load(
     planned = outcome.planned or tally.planned()
     report.planned_bytes, report.planned_requests = planned.total, planned.requests
     report.bytes_needed = tally.bytes_needed
-    report.read_mode = outcome.stats.mode
-    report.bytes_sent = outcome.stats.bytes_sent
-    report.bytes_received = outcome.stats.bytes_received
-    if outcome.stats.union_bytes:
-        report.job_chunk_bytes_needed = outcome.stats.union_bytes
-    if ranks.distributed:
-        totals = job_totals(
-            ranks, report.bytes_read, report.requests, report.bytes_sent, report.bytes_needed
-        )
-        report.job_bytes_read, report.job_requests = totals.bytes_read, totals.requests
-        report.job_bytes_exchanged = totals.bytes_exchanged
-        report.job_bytes_needed = totals.bytes_needed
+    report.record(outcome, ranks, report.bytes_read, report.requests, report.bytes_needed)
     report.seconds = time.perf_counter() - started
     return report
 

@@ -127,9 +127,7 @@ class Pending:
         return tensor if self.shape is None else tensor.reshape(self.shape)
 
 
-def add_need(
-    needs: dict[str, list[tuple[int, int]]], ref: ArrayRef, start: int, stop: int
-) -> None:
+def add_need(needs: dict[str, list[tuple[int, int]]], ref: ArrayRef, start: int, stop: int) -> None:
     """Note in ``needs`` (per stored array path: flat ranges of it) that elements ``[start,
     stop)`` of the logical array ``ref`` are read: the range where the stored array holding
     ``ref`` has them (:func:`~ucformat.format.stacks.placement`)."""

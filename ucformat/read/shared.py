@@ -38,6 +38,7 @@ from ucformat.read.once import (
 )
 
 __all__ = [
+    "JobReport",
     "JobTotals",
     "ReadOutcome",
     "check_mode",
@@ -139,3 +140,45 @@ def job_totals(
     """This rank's numbers summed over ``group`` (collective: one gathering)."""
     rows = gather_ints([bytes_read, requests, bytes_sent, bytes_needed], group)
     return JobTotals(*(sum(row[i] for row in rows) for i in range(4)))
+
+
+@dataclass
+class JobReport:
+    """How a collective load read (the fields every loader's report has)."""
+
+    #: ``"once"`` (each chunk read once job-wide, then shared over the process group) or
+    #: ``"own"`` (each rank its own bytes): what ``read=`` of the loader came to.
+    read_mode: str = "own"
+    #: Bytes this rank sent to and received from other ranks (``"once"``).
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    #: Job-wide (summed over the ranks; None for a load in one process): bytes fetched from
+    #: storage, requests, bytes exchanged, bytes needed (replicas counted each time).
+    job_bytes_read: int | None = None
+    job_requests: int | None = None
+    job_bytes_exchanged: int | None = None
+    job_bytes_needed: int | None = None
+    #: Bytes of the chunks some rank needed, each chunk once (what storage must serve at the
+    #: least); known where the job planned its reads together (``read`` not ``"own"``).
+    job_chunk_bytes_needed: int | None = None
+
+    def record(
+        self,
+        outcome: ReadOutcome,
+        group: Group | None,
+        bytes_read: int,
+        requests: int,
+        bytes_needed: int,
+    ) -> None:
+        """Fill the fields from ``outcome`` and, across ``group`` (collective when it has
+        several ranks), the job's totals of this rank's numbers."""
+        self.read_mode = outcome.stats.mode
+        self.bytes_sent = outcome.stats.bytes_sent
+        self.bytes_received = outcome.stats.bytes_received
+        if outcome.stats.union_bytes:
+            self.job_chunk_bytes_needed = outcome.stats.union_bytes
+        if group is not None and group.distributed:
+            totals = job_totals(group, bytes_read, requests, self.bytes_sent, bytes_needed)
+            self.job_bytes_read, self.job_requests = totals.bytes_read, totals.requests
+            self.job_bytes_exchanged = totals.bytes_exchanged
+            self.job_bytes_needed = totals.bytes_needed

@@ -47,7 +47,7 @@ from ucformat.format.spec import BUFFER_STATE, FP32_STATE, STEP_STATE, VALUE_STA
 from ucformat.read.batch import Pending, ReadBatch, read_own
 from ucformat.read.checkpoint import UniversalCheckpoint, open_checkpoint, scalar_value
 from ucformat.read.model_match import match_model, refuse_mismatch
-from ucformat.read.shared import check_mode, job_totals, read_batch
+from ucformat.read.shared import JobReport, ReadOutcome, check_mode, read_batch
 from ucformat.store.keys import StoreLike
 from ucformat.torch.dtensor import is_dtensor, reshard
 from ucformat.torch.odd_states import odd_states_left_out
@@ -59,8 +59,8 @@ _FLOATING = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
 
 
 @dataclass
-class TorchLoadReport:
-    """What :func:`load` did."""
+class TorchLoadReport(JobReport):
+    """What :func:`load` did (and how the job read: :class:`~ucformat.read.shared.JobReport`)."""
 
     missing: list[str] = field(default_factory=list)
     unexpected: list[str] = field(default_factory=list)
@@ -76,21 +76,6 @@ class TorchLoadReport:
     #: Optimizer states of the store left out (``strict=False``): those a torch optimizer has
     #: no place for (:mod:`ucformat.torch.odd_states`).
     skipped: list[str] = field(default_factory=list)
-    #: How the job read: ``"once"`` (each chunk once job-wide, then shared over the process
-    #: group) or ``"own"`` (each rank its own bytes); see ``read=`` of :func:`load`.
-    read_mode: str = "own"
-    #: Bytes this rank sent to and received from other ranks (``"once"``).
-    bytes_sent: int = 0
-    bytes_received: int = 0
-    #: Job-wide (summed over the ranks of a collective load; None for a load in one
-    #: process): bytes fetched from storage, requests, bytes exchanged, bytes needed.
-    job_bytes_read: int | None = None
-    job_requests: int | None = None
-    job_bytes_exchanged: int | None = None
-    job_bytes_needed: int | None = None
-    #: Bytes of the chunks some rank needed, each chunk once (what storage must serve at the
-    #: least); known where the job planned its reads together (``read`` not ``"own"``).
-    job_chunk_bytes_needed: int | None = None
 
     @property
     def read_amplification(self) -> float:
@@ -387,16 +372,10 @@ def _load_plain(
                 index += 1
             groups.append({**merged_group(manifest, number, live, strict), "params": ids})
     group: Group | None = ranks_group().operation() if read != "own" else None
-    collective = group is not None and group.distributed
-    if collective:
-        assert group is not None
+    outcome = ReadOutcome()
+    if group is not None and group.distributed:
         outcome = read_batch(ckpt, batch, group, read=read)
         settle(outcome.failure, group, ckpt.where, undone=NOTHING_LOADED)
-        report.read_mode = outcome.stats.mode
-        report.bytes_sent = outcome.stats.bytes_sent
-        report.bytes_received = outcome.stats.bytes_received
-        if outcome.stats.union_bytes:
-            report.job_chunk_bytes_needed = outcome.stats.union_bytes
     else:
         read_own(ckpt, batch)
     saved = _model_values(manifest, weights, None)
@@ -408,16 +387,7 @@ def _load_plain(
     report.bytes_read = ckpt.stats.bytes_read - before
     report.bytes_needed = sum(ref.nbytes for ref in _arrays_read(manifest, optimizer is not None))
     report.requests = ckpt.stats.requests - requests_before
-    if collective:
-        assert group is not None
-        totals = job_totals(
-            group, report.bytes_read, report.requests, report.bytes_sent, report.bytes_needed
-        )
-        report.job_bytes_read, report.job_requests = totals.bytes_read, totals.requests
-        report.job_bytes_exchanged, report.job_bytes_needed = (
-            totals.bytes_exchanged,
-            totals.bytes_needed,
-        )
+    report.record(outcome, group, report.bytes_read, report.requests, report.bytes_needed)
     report.seconds = time.perf_counter() - started
 
 

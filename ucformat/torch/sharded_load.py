@@ -44,7 +44,7 @@ from ucformat.format.spec import FP32_STATE, STEP_STATE
 from ucformat.read.batch import Pending, ReadBatch
 from ucformat.read.checkpoint import BUFFER_STATE, UniversalCheckpoint, scalar_value
 from ucformat.read.model_match import match_model, refuse_mismatch
-from ucformat.read.shared import job_totals, read_batch
+from ucformat.read.shared import read_batch
 from ucformat.read.staging import wants_pinned
 from ucformat.torch.dtensor import LocalShard, local_shard, persistent_buffers
 from ucformat.torch.odd_states import odd_states_left_out
@@ -226,14 +226,5 @@ def load_sharded(
     report.bytes_read = ckpt.stats.bytes_read - before
     report.bytes_needed = needed
     report.requests = ckpt.stats.requests - requests_before
-    report.read_mode = outcome.stats.mode
-    report.bytes_sent = outcome.stats.bytes_sent
-    report.bytes_received = outcome.stats.bytes_received
-    if outcome.stats.union_bytes:
-        report.job_chunk_bytes_needed = outcome.stats.union_bytes
-    if group.distributed:
-        totals = job_totals(group, report.bytes_read, report.requests, report.bytes_sent, needed)
-        report.job_bytes_read, report.job_requests = totals.bytes_read, totals.requests
-        report.job_bytes_exchanged = totals.bytes_exchanged
-        report.job_bytes_needed = totals.bytes_needed
+    report.record(outcome, group, report.bytes_read, report.requests, needed)
     report.seconds = time.perf_counter() - started
