@@ -40,6 +40,7 @@ pure: integers in, integers out (the executor, :mod:`ucformat.read.once`, moves 
 
 from __future__ import annotations
 
+import itertools
 import zlib
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -167,32 +168,38 @@ class _Atom:
 
 
 def _atoms(classes: list[list[Rect]]) -> list[tuple[Rect, tuple[int, ...]]]:
-    """The shard's needed cells as rects of cells needed by the same classes, row-major:
-    row segments of equal classes, stacked where consecutive rows have the same one."""
-    needers: dict[tuple[int, int], list[int]] = {}
-    for number, rects in enumerate(classes):
-        for i0, i1, j0, j1 in rects:
-            for i in range(i0, i1):
-                for j in range(j0, j1):
-                    needers.setdefault((i, j), []).append(number)
-    segments: list[_Atom] = []
-    for (row, col), who in sorted(needers.items()):
-        key = tuple(who)
-        last = segments[-1] if segments else None
-        if last is not None and last.i0 == row and last.j1 == col and last.classes == key:
-            last.j1 = col + 1
-        else:
-            segments.append(_Atom(row, row + 1, col, col + 1, key))
+    """The shard's needed cells as rects of cells needed by the same classes, row-major: a
+    sweep down the rows (bands between the rects' row edges), in each band a sweep across the
+    columns of the rects covering it, a band's segment stacked on the same one just above.
+    Work grows with the rects, not the cells."""
+    rects = sorted((*rect, number) for number, own in enumerate(classes) for rect in own)
+    cuts = sorted({r[0] for r in rects} | {r[1] for r in rects})
     atoms: list[_Atom] = []
-    stacking: dict[tuple[int, int, tuple[int, ...]], _Atom] = {}
-    for segment in segments:
-        key3 = (segment.j0, segment.j1, segment.classes)
-        above = stacking.get(key3)
-        if above is not None and above.i1 == segment.i0:
-            above.i1 = segment.i1
-            continue
-        stacking[key3] = segment
-        atoms.append(segment)
+    above: dict[tuple[int, int, tuple[int, ...]], _Atom] = {}
+    active: list[tuple[int, int, int, int, int]] = []
+    taken = 0
+    for low, high in itertools.pairwise(cuts):
+        active = [r for r in active if r[1] > low]
+        while taken < len(rects) and rects[taken][0] <= low:
+            active.append(rects[taken])
+            taken += 1
+        edges = sorted({r[2] for r in active} | {r[3] for r in active})
+        segments: list[tuple[int, int, tuple[int, ...]]] = []
+        for left, right in itertools.pairwise(edges):
+            who = tuple(sorted({r[4] for r in active if r[2] <= left and r[3] >= right}))
+            if not who:
+                continue
+            if segments and segments[-1][1] == left and segments[-1][2] == who:
+                segments[-1] = (segments[-1][0], right, who)
+            else:
+                segments.append((left, right, who))
+        for left, right, who in segments:
+            atom = above.get((left, right, who))
+            if atom is not None and atom.i1 == low:
+                atom.i1 = high
+                continue
+            atom = above[left, right, who] = _Atom(low, high, left, right, who)
+            atoms.append(atom)
     return sorted(
         (((a.i0, a.i1, a.j0, a.j1), a.classes) for a in atoms), key=lambda x: (x[0][0], x[0][2])
     )
