@@ -301,6 +301,21 @@ class CellGrid:
         width = x1 - x0
         return [(y * cols + x0, y * cols + x1, at + (y - y0) * width) for y in range(y0, y1)]
 
+    def block_runs(self, rects: Sequence[Rect]) -> list[tuple[int, int, int]]:
+        """:meth:`region_runs` of ``rects`` staged one after another (a reader's block), runs
+        that continue each other in the array and in staging joined."""
+        runs: list[tuple[int, int, int]] = []
+        at = 0
+        for rect in rects:
+            for start, stop, where in self.region_runs(rect, at):
+                last = runs[-1] if runs else None
+                if last is not None and last[1] == start and last[2] + last[1] - last[0] == where:
+                    runs[-1] = (last[0], stop, last[2])
+                else:
+                    runs.append((start, stop, where))
+            at += self.elements(rect)
+        return runs
+
     def index(self, needs: Needs) -> NeedList:
         """``needs`` sorted for :meth:`copies` (by start, or by first row)."""
         if self.box:

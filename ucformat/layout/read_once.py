@@ -380,14 +380,8 @@ def reads_cost(rows: Iterable[Row], grids: Mapping[int, CellGrid]) -> ReadCost:
     index_bytes = 0
     for block in blocks.values():
         grid = grids[block[0].array]
-        runs: list[tuple[int, int]] = []
-        for row in block:
-            shards.add((row.array, grid.shard_of(row.rect[0])[0]))
-            for start, stop, _ in grid.region_runs(row.rect, 0):
-                if runs and runs[-1][1] == start:
-                    runs[-1] = (runs[-1][0], stop)
-                else:
-                    runs.append((start, stop))
+        shards.update((row.array, grid.shard_of(row.rect[0])[0]) for row in block)
+        runs = [(start, stop) for start, stop, _ in grid.block_runs([row.rect for row in block])]
         cost = range_read_cost(grid.shape, grid.chunk_shape, grid.shard_shape, grid.itemsize,
                                runs, together=grid.box)  # fmt: skip
         total += ReadCost(cost.data_bytes, 0, cost.chunks, 0, cost.data_requests, 0)

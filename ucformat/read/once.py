@@ -276,12 +276,12 @@ def execute_shared(
     for row in plan.rows:
         if row.kind == READ:
             blocks.setdefault(row.block, []).append(row)
-    home_of_atom = {(r.array, r.rect): r.block for r in plan.rows if r.kind == READ}
+    block_of = {(r.array, r.rect): r.block for r in plan.rows if r.kind == READ}
     self_sends = {(r.array, r.rect) for r in plan.rows if r.kind == SEND and r.peer == me}
     last_use: dict[int, int] = {}
     for pieces in plan.outgoing.values():
         for piece in pieces:
-            tag = home_of_atom[piece.array, piece.atom]
+            tag = block_of[piece.array, piece.atom]
             last_use[tag] = max(last_use.get(tag, -1), piece.round)
     staged: dict[tuple[int, Rect], np.ndarray] = {}
     failure: BaseException | None = None
@@ -293,19 +293,7 @@ def execute_shared(
         grid = plan.grids[rows[0].array]
         sizes = [grid.elements(row.rect) for row in rows]
         values = np.empty(sum(sizes), dtype=numpy_storage_dtype(ref.dtype))
-        runs: list[tuple[int, int, int]] = []
-        at = 0
-        for row, size in zip(rows, sizes, strict=True):
-            for start, stop, where in grid.region_runs(row.rect, at):
-                if (
-                    runs
-                    and runs[-1][1] == start
-                    and runs[-1][2] + runs[-1][1] - runs[-1][0] == where
-                ):
-                    runs[-1] = (runs[-1][0], stop, runs[-1][2])
-                else:
-                    runs.append((start, stop, where))
-            at += size
+        runs = grid.block_runs([row.rect for row in rows])
         if failure is None:
             try:
                 ckpt.fill(ref, runs, values)
@@ -334,7 +322,7 @@ def execute_shared(
                     continue
                 key = (piece.array, piece.atom)
                 if key not in staged:
-                    read_block(home_of_atom[key])
+                    read_block(block_of[key])
                 grid = plan.grids[piece.array]
                 start = grid.offset_in(piece.atom, piece.rect)
                 parts.append(staged[key][start : start + grid.elements(piece.rect)].view(np.uint8))
