@@ -13,6 +13,7 @@ rank, exactly the bytes and requests each fetched from storage and the bytes it 
 from __future__ import annotations
 
 import math
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -121,3 +122,39 @@ def test_simulation_predicts_a_real_load(store: str) -> None:
     assert [t.own_bytes for t in sim.ranks] == [r["own"] for r in real]
     assert sim.storage_bytes < 0.6 * sim.own_bytes  # replicas and shared chunks read once
     assert Path(store).exists()
+
+
+def test_a_damaged_chunk_fails_its_reader_and_no_rank_waits(store: str, tmp_path: Path) -> None:
+    """The reader of a damaged chunk gets a CorruptDataError naming the array; every other rank
+    finishes every round (it is the caller's agreement that stops them all)."""
+    from ucformat.errors import CorruptDataError
+
+    damaged = str(tmp_path / "damaged.ucf")
+    shutil.copytree(store, damaged)
+    array = ucformat.open(damaged).manifest.params["0.weight"].states["exp_avg"].path
+    shard = sorted(p for p in (Path(damaged) / array).rglob("*") if p.name != "zarr.json")
+    first = next(p for p in shard if p.is_file())
+    data = bytearray(first.read_bytes())
+    data[0] ^= 0xFF  # the first chunk of the first shard
+    first.write_bytes(bytes(data))
+
+    def rank_load(transport: ThreadTransport) -> BaseException | None:
+        ckpt = ucformat.open(damaged)
+        refs = array_paths(ckpt.manifest)
+        batch = ReadBatch()
+        for path, ranges in _needs(damaged, transport.rank).items():
+            ref = refs[path]
+            runs, at = [], 0
+            for start, stop in ranges:
+                runs.append((start, stop, at))
+                at += stop - start
+            batch.add(ref, runs, np.empty(at, numpy_storage_dtype(ref.dtype)))
+        needs = {path: ranges for path, (_, ranges) in batch.needs().items()}
+        plan = plan_shared(ckpt, needs, transport, mode="once", budget=1 << 16)
+        return execute_shared(ckpt, plan, batch, transport)
+
+    failures = run_ranks(WORLD, rank_load)
+    failed = [f for f in failures if f is not None]
+    assert len(failed) == 1  # the chunk has one reader
+    assert isinstance(failed[0], CorruptDataError)
+    assert "0.weight/exp_avg: chunk (0, 0)" in str(failed[0])
