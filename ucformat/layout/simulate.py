@@ -33,7 +33,6 @@ from ucformat.layout.read_once import (
     BlockPolicy,
     Row,
     ShardNeeds,
-    group_ranks,
     plan_shards,
     rank_demands,
     reads_cost,
@@ -237,28 +236,32 @@ def simulate_read_once(
     kept (to plan them again alone).
     """
     sim = ReadOnceSimulation(world_size, [RankTraffic() for _ in range(world_size)])
-    per_home: list[dict[tuple[int, int], dict[int, list[Rect]]]] = [{} for _ in range(world_size)]
+    # per home, per shard: the ranks by the rects they need of it, as the home groups them (a
+    # rank's rects for one shard are one key: replicas share it, so memory grows with the
+    # distinct needs, not with the ranks)
+    per_home: list[dict[tuple[int, int], dict[tuple[Rect, ...], list[int]]]] = [
+        {} for _ in range(world_size)
+    ]
     for rank in range(world_size):
         traffic = sim.ranks[rank]
-        touched: set[tuple[int, int]] = set()
+        mine: dict[tuple[int, int], tuple[int, list[Rect]]] = {}
         for home, demand in rank_demands(rank, needs_of(rank), grids, world_size):
             grid = grids[demand.array]
             shard = grid.shard_of(demand.rect[0])[0]
             i0, i1, j0, j1 = demand.rect
             traffic.own_bytes += grid.stored_bytes((i1 - i0) * (j1 - j0))
-            touched.add((demand.array, shard))
-            per_home[home].setdefault((demand.array, shard), {}).setdefault(rank, []).append(
-                demand.rect
-            )
+            mine.setdefault((demand.array, shard), (home, []))[1].append(demand.rect)
             traffic.demands += 1
             sim.ranks[home].homed += 1
-        traffic.own_bytes += sum(grids[a].shard_index_bytes() for a, _ in touched)
-        traffic.own_requests += 2 * len(touched)
+        for key, (home, rects) in mine.items():
+            per_home[home].setdefault(key, {}).setdefault(tuple(sorted(rects)), []).append(rank)
+        traffic.own_bytes += sum(grids[a].shard_index_bytes() for a, _ in mine)
+        traffic.own_requests += 2 * len(mine)
     kept = set(sample(sim)) if sample is not None else set()
     peers_out: list[set[int]] = [set() for _ in range(world_size)]
     peers_in: list[set[int]] = [set() for _ in range(world_size)]
     for home in range(world_size):
-        shards = {key: group_ranks(ranks) for key, ranks in per_home[home].items()}
+        shards = per_home[home]
         per_home[home] = {}
         if home in kept:
             sim.homed[home] = shards
