@@ -25,11 +25,13 @@ import ucformat
 from tests.fixtures._read_once_worker import LR, make_mlp
 from tests.threads import ThreadTransport, run_ranks
 from ucformat.format.dtypes import numpy_storage_dtype
+from ucformat.format.models import ArrayRef
+from ucformat.format.stacks import placement
 from ucformat.layout.partition import PerParamLayout
 from ucformat.layout.placements import Placement, local_intervals, local_runs
 from ucformat.layout.simulate import simulate_read_once
 from ucformat.read.batch import ReadBatch, grid_of, read_own
-from ucformat.read.once import array_paths, execute_shared, plan_shared
+from ucformat.read.once import execute_shared, plan_shared, stored_arrays
 
 WORLD = 4
 
@@ -46,47 +48,49 @@ def store(tmp_path_factory: pytest.TempPathFactory) -> str:
     return path
 
 
-def _needs(store: str, rank: int) -> dict[str, list[tuple[int, int]]]:
-    """Per array path, the flat ranges rank ``rank`` needs (module docstring)."""
+def _needs(store: str, rank: int) -> list[tuple[ArrayRef, list[tuple[int, int]]]]:
+    """Per logical array, the flat ranges rank ``rank`` needs (module docstring)."""
     manifest = ucformat.open(store).manifest
-    needs: dict[str, list[tuple[int, int]]] = {}
+    needs: list[tuple[ArrayRef, list[tuple[int, int]]]] = []
     names = list(manifest.params)
     pieces = PerParamLayout.build([(n, math.prod(manifest.params[n].shape)) for n in names], WORLD)
     for fragment in pieces.fragments(rank):
         ref = manifest.params[fragment.name].states["fp32"]
-        needs[ref.path] = [(fragment.param_start, fragment.param_stop)]
+        needs.append((ref, [(fragment.param_start, fragment.param_stop)]))
     hsdp = (Placement("replicate"), Placement("shard", 0))
     for name in names:
         entry = manifest.params[name]
         shape = tuple(entry.shape)
         intervals = local_intervals(shape, (2, 2), hsdp, divmod(rank, 2))
         runs = local_runs(shape, intervals)
-        needs[entry.states["exp_avg"].path] = [(r.start, r.start + r.length) for r in runs]
+        needs.append((entry.states["exp_avg"], [(r.start, r.start + r.length) for r in runs]))
         if len(shape) == 2:  # a column block of a quarter of the columns, one run per row
             rows, cols = shape
             width = cols // WORLD
-            needs[entry.states["exp_avg_sq"].path] = [
-                (y * cols + rank * width, y * cols + (rank + 1) * width) for y in range(rows)
-            ]
+            block = [(y * cols + rank * width, y * cols + (rank + 1) * width) for y in range(rows)]
+            needs.append((entry.states["exp_avg_sq"], block))
         else:
-            needs[entry.states["exp_avg_sq"].path] = [(0, shape[0])]
+            needs.append((entry.states["exp_avg_sq"], [(0, shape[0])]))
     return needs
+
+
+def _batch(store: str, rank: int) -> ReadBatch:
+    """Rank ``rank``'s needs as a batch of new buffers."""
+    batch = ReadBatch()
+    for ref, ranges in _needs(store, rank):
+        runs, at = [], 0
+        for start, stop in ranges:
+            runs.append((start, stop, at))
+            at += stop - start
+        batch.add(ref, runs, np.empty(at, numpy_storage_dtype(ref.dtype)))
+    return batch
 
 
 def test_simulation_predicts_a_real_load(store: str) -> None:
     def rank_load(transport: ThreadTransport) -> dict[str, Any]:
         ckpt = ucformat.open(store)
         own = ucformat.open(store)
-        refs = array_paths(ckpt.manifest)
-        batch, mine = ReadBatch(), ReadBatch()
-        for path, ranges in _needs(store, transport.rank).items():
-            ref = refs[path]
-            runs, at = [], 0
-            for start, stop in ranges:
-                runs.append((start, stop, at))
-                at += stop - start
-            batch.add(ref, runs, np.empty(at, numpy_storage_dtype(ref.dtype)))
-            mine.add(ref, runs, np.empty(at, numpy_storage_dtype(ref.dtype)))
+        batch, mine = _batch(store, transport.rank), _batch(store, transport.rank)
         needs = {path: ranges for path, (_, ranges) in batch.needs().items()}
         before = (ckpt.stats.bytes_read, ckpt.stats.requests)
         plan = plan_shared(ckpt, needs, transport, mode="once", budget=1 << 16)
@@ -109,11 +113,14 @@ def test_simulation_predicts_a_real_load(store: str) -> None:
     assert [r["same"] for r in real] == [True] * WORLD
     assert min(r["rounds"] for r in real) > 1  # the small budget splits the moves into rounds
 
-    refs = array_paths(ucformat.open(store).manifest)
-    ids = {path: number for number, path in enumerate(refs)}
-    grids = {ids[path]: grid_of(ref) for path, ref in refs.items()}
+    stored = stored_arrays(ucformat.open(store).manifest)
+    assert any(path.startswith("stacks/") for path in stored)  # format 3.1: through stacks
+    ids = {path: number for number, path in enumerate(stored)}
+    grids = {ids[path]: grid_of(array) for path, array in stored.items()}
     sim = simulate_read_once(
-        grids, WORLD, lambda rank: {ids[p]: r for p, r in _needs(store, rank).items()}
+        grids,
+        WORLD,
+        lambda rank: {ids[p]: r for p, (_, r) in _batch(store, rank).needs().items()},
     )
     assert [t.bytes_read for t in sim.ranks] == [r["bytes_read"] for r in real]
     assert [t.requests for t in sim.ranks] == [r["requests"] for r in real]
@@ -131,24 +138,17 @@ def test_a_damaged_chunk_fails_its_reader_and_no_rank_waits(store: str, tmp_path
 
     damaged = str(tmp_path / "damaged.ucf")
     shutil.copytree(store, damaged)
-    array = ucformat.open(damaged).manifest.params["0.weight"].states["exp_avg"].path
-    shard = sorted(p for p in (Path(damaged) / array).rglob("*") if p.name != "zarr.json")
-    first = next(p for p in shard if p.is_file())
+    ref = ucformat.open(damaged).manifest.params["0.weight"].states["exp_avg"]
+    stored, _ = placement(ref)
+    assert ref.stack is not None and ref.stack.per_shard == 1  # its shards are its own
+    first = Path(damaged) / stored.shard_key((ref.stack.index, *[0] * len(ref.shape)))
     data = bytearray(first.read_bytes())
-    data[0] ^= 0xFF  # the first chunk of the first shard
+    data[0] ^= 0xFF  # the first chunk of its first shard
     first.write_bytes(bytes(data))
 
     def rank_load(transport: ThreadTransport) -> BaseException | None:
         ckpt = ucformat.open(damaged)
-        refs = array_paths(ckpt.manifest)
-        batch = ReadBatch()
-        for path, ranges in _needs(damaged, transport.rank).items():
-            ref = refs[path]
-            runs, at = [], 0
-            for start, stop in ranges:
-                runs.append((start, stop, at))
-                at += stop - start
-            batch.add(ref, runs, np.empty(at, numpy_storage_dtype(ref.dtype)))
+        batch = _batch(damaged, transport.rank)
         needs = {path: ranges for path, (_, ranges) in batch.needs().items()}
         plan = plan_shared(ckpt, needs, transport, mode="once", budget=1 << 16)
         return execute_shared(ckpt, plan, batch, transport)
@@ -157,4 +157,4 @@ def test_a_damaged_chunk_fails_its_reader_and_no_rank_waits(store: str, tmp_path
     failed = [f for f in failures if f is not None]
     assert len(failed) == 1  # the chunk has one reader
     assert isinstance(failed[0], CorruptDataError)
-    assert "0.weight/exp_avg: chunk (0, 0)" in str(failed[0])
+    assert f"params/0.weight/exp_avg ({ref.path}[{ref.stack.index}]): chunk (" in str(failed[0])

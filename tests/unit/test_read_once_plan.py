@@ -40,20 +40,31 @@ POLICIES = [
 
 
 def _grids() -> list[CellGrid]:
+    """Arrays as a store of format 3.0 holds them, and stacks of them (docs/format.md §2.5:
+    ``(N, ..)`` in chunks ``(1, ..)``; ``K`` arrays per shard object where one shard holds a
+    whole array), a stack of box-chunked matrices with whole-matrix shards among them."""
     out = []
     for shape, policy in itertools.product(SHAPES, POLICIES):
         chunking = choose_chunking(shape, 4, policy)
         out.append(cell_grid(shape, chunking.chunk_shape, chunking.shard_shape, 4))
+        if shape:
+            chunk, shard = chunking.chunk_shape, chunking.shard_shape
+            out.append(cell_grid((3, *shape), (1, *chunk), (1, *shard), 4))
+            if all(min(s, d) == d for s, d in zip(shard, shape, strict=True)):
+                out.append(cell_grid((3, *shape), (1, *chunk), (2, *shard), 4))
+    out.append(cell_grid((3, 10, 12), (1, 4, 5), (2, 12, 15), 4))
     return out
 
 
-def _chunk_of(grid: CellGrid, element: int) -> int:
-    """Brute force: the cell holding flat ``element`` (chunk coords, row-major id; for a box
+def _chunks_of(grid: CellGrid, elements: np.ndarray) -> set[int]:
+    """Brute force: the cells holding flat ``elements`` (chunk coords, row-major id; for a box
     grid, its (row, col) in the chunk grid as one id)."""
-    coords = np.unravel_index(element, grid.shape) if grid.shape else ()
-    chunk = [int(c) // k for c, k in zip(coords, grid.chunk_shape, strict=True)]
+    if not grid.shape:
+        return {0}
+    coords = np.unravel_index(elements, grid.shape)
+    chunk = [c // k for c, k in zip(coords, grid.chunk_shape, strict=True)]
     extent = [math.ceil(d / k) for d, k in zip(grid.shape, grid.chunk_shape, strict=True)]
-    return int(np.ravel_multi_index(chunk, extent)) if grid.shape else 0
+    return {int(i) for i in np.unique(np.ravel_multi_index(chunk, extent))}
 
 
 def _cells(grid: CellGrid, rect: tuple[int, int, int, int]) -> set[int]:
@@ -79,7 +90,8 @@ def test_cells_of_needs_and_copies(grid: CellGrid) -> None:
     for _ in range(20):
         runs = _random_runs(rng, numel)
         if grid.box and rng.random() < 0.5:  # a column block, one run per row
-            rows, cols = grid.shape
+            cols = grid.shape[-1]
+            rows = numel // cols  # a stack's matrices one after another
             x0 = rng.randrange(cols)
             x1 = rng.randint(x0 + 1, cols)
             y0 = rng.randrange(rows)
@@ -88,7 +100,7 @@ def test_cells_of_needs_and_copies(grid: CellGrid) -> None:
             runs = [(y * cols + x0, y * cols + x1, (y - y0) * width) for y in range(y0, y1)]
         needs = grid.out_boxes(runs) if grid.box else runs
         rects = grid.need_rects(needs)
-        wanted = {_chunk_of(grid, e) for start, stop, _ in runs for e in range(start, stop)}
+        wanted = _chunks_of(grid, np.concatenate([np.arange(a, b) for a, b, _ in runs]))
         got = [_cells(grid, rect) for rect in rects]
         assert set().union(*got) == wanted
         assert sum(map(len, got)) == len(wanted)  # disjoint
@@ -117,20 +129,22 @@ def test_cells_of_needs_and_copies(grid: CellGrid) -> None:
 
 @pytest.mark.parametrize("grid", _grids(), ids=lambda g: f"{g.shape}-{g.chunk_shape}")
 def test_shards_and_sub_rects(grid: CellGrid) -> None:
-    """A flat grid's shard of a cell is the chunks with the same shard coordinates."""
+    """A cell row's shard is the cell rows with the same shard coordinates (a box grid: in
+    every dimension but the last, which its shards hold whole)."""
     per = [s // c for s, c in zip(grid.shard_shape, grid.chunk_shape, strict=True)]
     extent = [math.ceil(d / k) for d, k in zip(grid.shape, grid.chunk_shape, strict=True)]
-    if not grid.box and grid.shape and grid.numel:
-        for cell in range(grid.rows):
-            coords = np.unravel_index(cell, extent)
-            key = tuple(int(c) // p for c, p in zip(coords, per, strict=True))
-            same = [
-                k
-                for k in range(grid.rows)
-                if tuple(int(c) // p for c, p in zip(np.unravel_index(k, extent), per, strict=True))
-                == key
-            ]
-            assert grid.shard_of(cell) == (min(same), max(same) + 1)
+    if grid.box:
+        assert grid.plannable
+        per, extent = per[:-1], extent[:-1]
+    if grid.shape and grid.numel:
+        coords = np.unravel_index(np.arange(grid.rows), extent)
+        keys = list(zip(*(c // p for c, p in zip(coords, per, strict=True)), strict=True))
+        span: dict[tuple[int, ...], tuple[int, int]] = {}
+        for cell, key in enumerate(keys):
+            low, _ = span.get(key, (cell, cell))
+            span[key] = (low, cell + 1)
+        for cell, key in enumerate(keys):
+            assert grid.shard_of(cell) == span[key]
     for start in range(0, grid.rows, max(1, grid.rows // 3)):
         lo, hi = grid.shard_of(start)
         rect = (lo, hi, 0, grid.cols)

@@ -1,25 +1,30 @@
 """An array's chunks as cells of a grid: what a rank needs, what a reader reads, what moves.
 
 Read-once loads (:mod:`ucformat.layout.read_once`) plan in chunks, the store's unit of reads:
-a rank that needs one element of a chunk fetches the whole chunk. This module maps between the
-three views of one array:
+a rank that needs one element of a chunk fetches the whole chunk. A grid is that of a *stored*
+array (docs/format.md §2.5: a format-3.1 stack ``(N, d_1, ..)`` in chunks ``(1, c_1, ..)``, or
+an older store's array itself), so a chunk's cell is its storage identity: two logical arrays
+of one stack are two parts of one grid, and a shard object holding several of them is one
+shard of it. This module maps between the three views of one stored array:
 
 * **elements**, as the loaders ask for them: flat runs ``(start, stop, at)`` (elements
   ``[start, stop)`` go to ``out[at:]``) or, for a matrix, boxes of it (:class:`OutBox`);
 * **cells**: the chunks, in a grid of ``(rows, cols)`` cells; a set of them is a list of
   :data:`Rect` ``(i0, i1, j0, j1)`` of cell rows and cell columns. Shards are always whole
-  cell rows (``shard_rows`` of them, the last one short), so a shard is a rect too;
+  consecutive cell rows (:meth:`CellGrid.shard_of`), so a shard is a rect too;
 * **staging**: the values of one rect, as a reader reads them and as they travel: the rect's
-  element box in row-major order (:meth:`CellGrid.region`).
+  element box in row-major order (:meth:`CellGrid.region_runs`).
 
 Two kinds of grid, one interface (:class:`CellGrid`):
 
-* flat-contiguous chunks (every array but box-chunked matrices; docs/format.md §2.2): every
-  chunk is one flat range of the array, numbered in row-major order of the chunk grid, and
-  consecutive chunks hold consecutive ranges; the cells are a column of ``n`` rows (cell
-  ``k`` is row ``k``), a rect's elements one flat range;
-* box chunks of a matrix ``(R, C)`` in chunks ``(r, c)``: the cells are the chunk grid
-  itself, a rect's elements one box of the matrix.
+* flat-contiguous chunks (every array but box-chunked matrices; docs/format.md §2.2), a stack
+  of them included: every chunk is one flat range of the array, numbered in row-major order of
+  the chunk grid, and consecutive chunks hold consecutive ranges; the cells are a column of
+  ``n`` rows (cell ``k`` is row ``k``), a rect's elements one flat range;
+* box chunks of a matrix ``(R, C)`` in chunks ``(r, c)``, or of a stack of them ``(N, R, C)``
+  in chunks ``(1, r, c)``: the array is seen as the matrix ``(N * R, C)``; its cell rows are
+  the chunk rows of every matrix in turn (each matrix's last one clipped to it), its cell
+  columns the chunk columns, a rect's elements one box of that matrix.
 
 Everything here is integer arithmetic on the array's shape, chunk and shard shapes (standard
 library only); the copies it plans (:class:`Copy`) are executed by the reader.
@@ -104,7 +109,7 @@ class CellGrid:
 
     def __post_init__(self) -> None:
         object.__setattr__(
-            self, "box", len(self.shape) == 2 and not is_flat_chunking(self.shape, self.chunk_shape)
+            self, "box", len(self.shape) >= 2 and not is_flat_chunking(self.shape, self.chunk_shape)
         )
 
     # --- the grid -----------------------------------------------------------------------------
@@ -114,31 +119,42 @@ class CellGrid:
         return math.prod(self.shape)
 
     @cached_property
+    def plannable(self) -> bool:
+        """Whether the cells describe the array: flat chunks, or box chunks of one leading
+        extent before the last two dimensions (a matrix, or a stack of matrices: ``(N, R, C)``
+        in chunks ``(1, r, c)``) whose shards hold whole rows. A grid that is not (box chunks
+        of a deeper shape, which no writer of ucformat makes) is read by its own readers."""
+        if not self.box:
+            return True
+        whole_rows = min(self.shard_shape[-1], self.shape[-1]) == self.shape[-1]
+        return whole_rows and all(c == 1 for c in self.chunk_shape[:-2])
+
+    @cached_property
     def _chunk_grid(self) -> tuple[int, ...]:
         return tuple(ceil_div(d, c) for d, c in zip(self.shape, self.chunk_shape, strict=True))
 
     @cached_property
+    def _row_grid(self) -> CellGrid:
+        """A box grid's cell rows as a flat grid: the array's every dimension but the last
+        (chunked ``(1, .., 1, r)``: flat-contiguous), so that its cell ``k`` is this grid's cell
+        row ``k`` and its elements are the rows of the array seen as a matrix
+        ``(numel / cols, cols)``: cell row ``k`` holds matrix rows ``[start(k), start(k + 1))``
+        (a stack's matrices one after another, each one's last chunk row clipped to it), and
+        its shards are this grid's."""
+        return CellGrid(self.shape[:-1], self.chunk_shape[:-1], self.shard_shape[:-1], 1)
+
+    @cached_property
     def rows(self) -> int:
-        """Cell rows: chunk rows of a box grid, every chunk of a flat grid."""
+        """Cell rows: chunk rows of a box grid (over every leading index), every chunk of a
+        flat grid."""
         if self.box:
-            return self._chunk_grid[0]
+            return self._row_grid.rows
         return math.prod(self._chunk_grid) if self.numel else 0
 
     @cached_property
     def cols(self) -> int:
         """Cell columns (1 for a flat grid)."""
-        return self._chunk_grid[1] if self.box else 1
-
-    @cached_property
-    def shard_rows(self) -> int:
-        """Cell rows per shard (a flat grid's shards are runs of consecutive chunks)."""
-        if self.box:
-            return self.shard_shape[0] // self.chunk_shape[0]
-        per = [s // c for s, c in zip(self.shard_shape, self.chunk_shape, strict=True)]
-        cut = 0  # the shard block is flat-contiguous in the chunk grid: (1, .., 1, k, full ..)
-        while cut < len(per) - 1 and per[cut] == 1:
-            cut += 1
-        return per[cut] * math.prod(self._chunk_grid[cut + 1 :]) if per else 1
+        return self._chunk_grid[-1] if self.box else 1
 
     @cached_property
     def _split_dim(self) -> int:
@@ -150,10 +166,10 @@ class CellGrid:
 
     def shard_of(self, row: int) -> tuple[int, int]:
         """The cell rows ``[lo, hi)`` of the shard holding cell row ``row``."""
-        if self.box or not self.shape:
-            size = self.shard_rows if self.shape else 1
-            lo = row // size * size
-            return lo, min(lo + size, self.rows)
+        if self.box:
+            return self._row_grid.shard_of(row)
+        if not self.shape:
+            return row, row + 1
         # flat grid: a shard's chunks are consecutive, but a shard may end early where its
         # block overhangs the chunk grid at the split dimension
         grid, cut = self._chunk_grid, self._split_dim
@@ -201,10 +217,11 @@ class CellGrid:
         return cell
 
     def box_of(self, rect: Rect) -> tuple[int, int, int, int]:
-        """The element box ``(y0, y1, x0, x1)`` of a box-grid rect."""
+        """The element box ``(y0, y1, x0, x1)`` of a box-grid rect, in the array seen as a
+        matrix of its last dimension's columns (:attr:`_row_grid`)."""
         i0, i1, j0, j1 = rect
-        (rows, cols), (r, c) = self.shape, self.chunk_shape
-        return i0 * r, min(i1 * r, rows), j0 * c, min(j1 * c, cols)
+        rows, cols, c = self._row_grid, self.shape[-1], self.chunk_shape[-1]
+        return rows._flat_start(i0), rows._flat_start(i1), j0 * c, min(j1 * c, cols)
 
     def elements(self, rect: Rect) -> int:
         """Elements of the cells of ``rect`` (clipped to the array)."""
@@ -225,7 +242,7 @@ class CellGrid:
     def out_boxes(self, runs: Iterable[tuple[int, int, int]]) -> list[OutBox]:
         """Flat runs of a box-grid matrix as boxes, consecutive rows of one column block
         merged (a ``Shard(1)`` local shard, one run per row, is one box)."""
-        cols = self.shape[1]
+        cols = self.shape[-1]
         boxes: list[OutBox] = []
         for start, stop, at in runs:
             while start < stop:
@@ -256,9 +273,9 @@ class CellGrid:
         """The cells holding any element of ``needs`` (runs for a flat grid, boxes for a box
         grid): disjoint rects, each within one shard."""
         if self.box:
-            r, c = self.chunk_shape
+            row_of, c = self._row_grid._flat_cell, self.chunk_shape[-1]
             cover = union_cover(
-                ((box.y0 // r, (box.y1 - 1) // r + 1), (box.x0 // c, (box.x1 - 1) // c + 1))
+                ((row_of(box.y0), row_of(box.y1 - 1) + 1), (box.x0 // c, (box.x1 - 1) // c + 1))
                 for box in needs
                 if isinstance(box, OutBox) and box.y0 < box.y1 and box.x0 < box.x1
             )
@@ -295,7 +312,7 @@ class CellGrid:
             start, stop = self._flat_start(rect[0]), self._flat_start(rect[1])
             return [(start, stop, at)] if start < stop else []
         y0, y1, x0, x1 = self.box_of(rect)
-        cols = self.shape[1]
+        cols = self.shape[-1]
         if x0 == 0 and x1 == cols:
             return [(y0 * cols, y1 * cols, at)]
         width = x1 - x0

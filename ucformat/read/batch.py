@@ -1,8 +1,9 @@
 """A rank's reads as data: which flat runs of which arrays go into which buffers.
 
-Every collective loader describes what the rank needs as a :class:`ReadBatch`: items of an
-array, its flat runs ``(start, stop, at)`` and a 1-D output buffer in the array's storage
-dtype (elements ``[start, stop)`` go to ``out[at:]``). The batch is then read one of two ways:
+Every collective loader describes what the rank needs as a :class:`ReadBatch`: items of a
+logical array (an :class:`~ucformat.format.models.ArrayRef`), its flat runs ``(start, stop,
+at)`` and a 1-D output buffer in the array's storage dtype (elements ``[start, stop)`` go to
+``out[at:]``). The batch is then read one of two ways:
 
 * ``own`` (:func:`read_own`): this rank reads every item itself
   (:meth:`~ucformat.read.checkpoint.UniversalCheckpoint.fill`: each chunk an item touches
@@ -10,9 +11,13 @@ dtype (elements ``[start, stop)`` go to ``out[at:]``). The batch is then read on
 * ``once`` (:mod:`ucformat.read.once`): the job reads every chunk once, and each rank gets
   its items' values from whichever rank read them.
 
-The batch holds the buffers; the plans made from it hold none (:meth:`ReadBatch.needs` gives
-the runs alone). :class:`Placement` puts values delivered for cells of an array into the
-items that need them (the copies planned by :mod:`ucformat.layout.cells`).
+Plans are made on *stored* arrays (docs/format.md §2.5): an item of a logical array in a
+format-3.1 stack is, to the plan, the runs of the stack at the logical array's offset
+(:func:`~ucformat.format.stacks.placement`), so a chunk has one identity however many logical
+arrays share its stack or its shard object. The batch holds the buffers; the plans made from
+it hold none (:meth:`ReadBatch.needs` gives the stored runs alone). :class:`Placement` puts
+values delivered for cells of a stored array into the items that need them (the copies planned
+by :mod:`ucformat.layout.cells`).
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ import torch
 from ucformat.format.dtypes import itemsize, storage_to_torch
 from ucformat.format.models import ArrayRef
 from ucformat.format.spec import FP32_STATE
-from ucformat.format.stacks import placement
+from ucformat.format.stacks import StoredArray, describe_ref, placement
 from ucformat.layout.cells import CellGrid, Copy, NeedList, Rect, cell_grid
 from ucformat.read.checkpoint import UniversalCheckpoint
 from ucformat.read.staging import host_buffer
@@ -47,16 +52,24 @@ FlatRun = tuple[int, int, int]
 
 @dataclass
 class ReadItem:
-    """Runs ``(start, stop, at)`` of ``ref`` that fill ``out`` (1-D, storage dtype)."""
+    """Runs ``(start, stop, at)`` of the logical array ``ref`` that fill ``out`` (1-D, storage
+    dtype); ``stored`` holds ``ref`` from flat element ``offset`` on."""
 
     ref: ArrayRef
     runs: list[FlatRun]
     out: np.ndarray
+    stored: StoredArray
+    offset: int
 
     @property
     def elements(self) -> int:
         """Elements the item receives."""
         return sum(stop - start for start, stop, _ in self.runs)
+
+    @property
+    def stored_runs(self) -> list[FlatRun]:
+        """The runs as runs of the stored array."""
+        return [(self.offset + start, self.offset + stop, at) for start, stop, at in self.runs]
 
 
 @dataclass
@@ -69,14 +82,15 @@ class ReadBatch:
         """Read the flat ``runs`` of ``ref`` into ``out`` (nothing for empty runs)."""
         kept = [(int(a), int(b), int(at)) for a, b, at in runs if a < b]
         if kept:
-            self.items.append(ReadItem(ref, kept, out))
+            self.items.append(ReadItem(ref, kept, out, *placement(ref)))
 
-    def needs(self) -> dict[str, tuple[ArrayRef, list[tuple[int, int]]]]:
-        """Per array path: the array and every flat range the batch reads of it."""
-        out: dict[str, tuple[ArrayRef, list[tuple[int, int]]]] = {}
+    def needs(self) -> dict[str, tuple[StoredArray, list[tuple[int, int]]]]:
+        """Per stored array path: the stored array and every flat range the batch reads of
+        it."""
+        out: dict[str, tuple[StoredArray, list[tuple[int, int]]]] = {}
         for item in self.items:
-            entry = out.setdefault(item.ref.path, (item.ref, []))
-            entry[1].extend((start, stop) for start, stop, _ in item.runs)
+            entry = out.setdefault(item.stored.path, (item.stored, []))
+            entry[1].extend((start, stop) for start, stop, _ in item.stored_runs)
         return out
 
     @property
@@ -141,9 +155,9 @@ def read_own(ckpt: UniversalCheckpoint, batch: ReadBatch) -> None:
         ckpt.fill(item.ref, item.runs, item.out)
 
 
-def grid_of(ref: ArrayRef) -> CellGrid:
-    """The cells of ``ref`` (:mod:`ucformat.layout.cells`)."""
-    return cell_grid(ref.shape, ref.chunk_shape, ref.shard_shape, itemsize(ref.dtype))
+def grid_of(stored: StoredArray) -> CellGrid:
+    """The cells of the stored array ``stored`` (:mod:`ucformat.layout.cells`)."""
+    return cell_grid(stored.shape, stored.chunk_shape, stored.shard_shape, itemsize(stored.dtype))
 
 
 def apply(copy: Copy, source: np.ndarray, target: np.ndarray) -> None:
@@ -163,28 +177,36 @@ def apply(copy: Copy, source: np.ndarray, target: np.ndarray) -> None:
 
 
 class Placement:
-    """The items of a batch by array, ready to take values delivered for cells."""
+    """The items of a batch by stored array, ready to take values delivered for its cells
+    (items of a grid the plan cannot describe, :attr:`~ucformat.layout.cells.CellGrid.
+    plannable`, are left out: their rank reads them itself)."""
 
     def __init__(self, batch: ReadBatch) -> None:
         self._items: dict[str, list[tuple[ReadItem, CellGrid, NeedList]]] = {}
         self.placed: dict[int, int] = {}
+        grids: dict[str, CellGrid] = {}
         for item in batch.items:
-            grid = grid_of(item.ref)
-            needs = grid.out_boxes(item.runs) if grid.box else item.runs
-            self._items.setdefault(item.ref.path, []).append((item, grid, grid.index(needs)))
+            grid = grids.get(item.stored.path)
+            if grid is None:
+                grid = grids[item.stored.path] = grid_of(item.stored)
+            if not grid.plannable:
+                continue
+            runs = item.stored_runs
+            needs = grid.out_boxes(runs) if grid.box else runs
+            self._items.setdefault(item.stored.path, []).append((item, grid, grid.index(needs)))
 
     def place(self, path: str, rect: Rect, values: np.ndarray) -> None:
-        """Put ``values`` (the staged values of cells ``rect`` of array ``path``) into every
-        item that needs some of them."""
+        """Put ``values`` (the staged values of cells ``rect`` of stored array ``path``) into
+        every item that needs some of them."""
         for item, grid, needs in self._items.get(path, ()):
             for _, copy in grid.copies(rect, 0, needs):
                 apply(copy, values, item.out)
                 self.placed[id(item)] = self.placed.get(id(item), 0) + copy.elements
 
     def missing(self) -> list[str]:
-        """Items not wholly placed: ``"<path>: <placed> of <needed> elements"``."""
+        """Items not wholly placed: ``"<array>: <placed> of <needed> elements"``."""
         return [
-            f"{item.ref.path}: {self.placed.get(id(item), 0)} of {item.elements} elements"
+            f"{describe_ref(item.ref)}: {self.placed.get(id(item), 0)} of {item.elements} elements"
             for entries in self._items.values()
             for item, _, _ in entries
             if self.placed.get(id(item), 0) != item.elements

@@ -36,7 +36,7 @@ import torch
 from ucformat.errors import OutOfRangeError, ParamNotFoundError
 from ucformat.format.dtypes import numpy_storage_dtype, storage_to_torch, torch_dtype
 from ucformat.format.models import ArrayRef, CheckpointManifest, ScalarState
-from ucformat.format.spec import BUFFER_STATE, FP32_STATE, VALUE_STATE
+from ucformat.format.spec import BUFFER_STATE, FP32_STATE, STACK_SEPARATOR, VALUE_STATE
 from ucformat.format.stacks import StoredArray, describe_ref, placement
 from ucformat.layout.boxes import Run
 from ucformat.layout.chunking import chunk_aligned_range, is_flat_chunking
@@ -140,6 +140,27 @@ class UniversalCheckpoint:
         older; in a stack its name and place (``params/w/exp_avg (stacks/3[4])``)."""
         if ref.stack is None:
             return ref.path
+        name = self._stack_names().get((ref.path, ref.stack.index))
+        place = describe_ref(ref)
+        return place if name is None else f"{name} ({place})"
+
+    def describe_stored(self, stored: StoredArray, start: int, stop: int) -> str:
+        """How messages name flat elements ``[start, stop)`` of the stored array ``stored``:
+        its path in a store of format 3.0 or older; in a stack the logical arrays they lie in
+        (``params/w/exp_avg (stacks/3[4])``, or ``stacks/3[4:6] (params/w/fp32, ...)``)."""
+        if stored.separator != STACK_SEPARATOR or not stored.shape or start >= stop:
+            return stored.path
+        each = max(1, math.prod(stored.shape[1:]))
+        first, last = start // each, (stop - 1) // each
+        known = self._stack_names()
+        names = [known.get((stored.path, i), "?") for i in range(first, last + 1)]
+        if first == last:
+            return f"{names[0]} ({stored.path}[{first}])"
+        more = ", ..." if len(names) > 2 else ""
+        return f"{stored.path}[{first}:{last + 1}] ({', '.join(names[:2])}{more})"
+
+    def _stack_names(self) -> dict[tuple[str, int], str]:
+        """The name of every stacked logical array by its place ``(stack path, index)``."""
         with self._lock:
             if self._names is None:
                 self._names = {
@@ -147,9 +168,7 @@ class UniversalCheckpoint:
                     for name, item in self.manifest.arrays()
                     if item.stack is not None
                 }
-            name = self._names.get((ref.path, ref.stack.index))
-        place = describe_ref(ref)
-        return place if name is None else f"{name} ({place})"
+            return self._names
 
     def _array(self, stored: StoredArray) -> Array:
         """The zarr array ``stored``, built from the manifest: no ``zarr.json`` is fetched.
@@ -252,8 +271,12 @@ class UniversalCheckpoint:
         names it in messages, default its path), every chunk fetched once: box chunks in one
         read of all runs; flat chunks per range of runs whose chunk-widened spans touch (read
         straight into place when a range is one run)."""
-        what = what or stored.path
         runs = [run for run in runs if run[0] < run[1]]
+        if not runs:
+            return
+        what = what or self.describe_stored(
+            stored, min(run[0] for run in runs), max(run[1] for run in runs)
+        )
         if stored.shape and not is_flat_chunking(stored.shape, stored.chunk_shape):
             self._read_runs(stored, runs, out, what)
             return

@@ -42,7 +42,8 @@ import torch
 from ucformat.collective import Group, exchange_blobs, exchange_bytes, gather_ints
 from ucformat.errors import CoverageError, UCFormatError
 from ucformat.format.dtypes import numpy_storage_dtype
-from ucformat.format.models import ArrayRef, CheckpointManifest
+from ucformat.format.models import CheckpointManifest
+from ucformat.format.stacks import StoredArray, stored_array
 from ucformat.layout.cells import CellGrid, Rect
 from ucformat.layout.read_once import (
     READ,
@@ -150,7 +151,7 @@ class SharedPlan:
     """This rank's part of a read-once load (data only: no buffers, no files)."""
 
     paths: list[str]
-    refs: dict[int, ArrayRef]
+    refs: dict[int, StoredArray]
     grids: dict[int, CellGrid]
     rows: list[Row]
     outgoing: dict[int, list[Piece]] = field(default_factory=dict)
@@ -159,11 +160,11 @@ class SharedPlan:
     stats: SharedStats = field(default_factory=SharedStats)
 
 
-def array_paths(manifest: CheckpointManifest) -> dict[str, ArrayRef]:
-    """Every array of the store by path (the ids of the plan's rows: positions in sorted order)."""
-    refs = {ref.path: ref for entry in manifest.params.values() for ref in entry.states.values()}
-    refs.update((buffer.array.path, buffer.array) for buffer in manifest.buffers.values())
-    return dict(sorted(refs.items()))
+def stored_arrays(manifest: CheckpointManifest) -> dict[str, StoredArray]:
+    """Every stored array of the store by path (the ids of the plan's rows: positions in
+    sorted order): a format-3.1 store's stacks, an older store's arrays."""
+    found = {ref.path: ref for _, ref in manifest.arrays()}
+    return {path: stored_array(found[path]) for path in sorted(found)}
 
 
 _DEMAND_WIDTH, _ROW_WIDTH = 5, 8
@@ -187,14 +188,15 @@ def plan_shared(
     policy: BlockPolicy | None = None,
 ) -> SharedPlan:
     """Plan a read-once load (collective: every rank calls it, with its own ``needs``: per
-    array path, the flat ranges it reads). ``plan.stats.mode`` says how to read: ``once``
+    stored array path, the flat ranges it reads of it: :meth:`~ucformat.read.batch.ReadBatch.
+    needs`). ``plan.stats.mode`` says how to read: ``once``
     (then :func:`execute_shared`) or ``own`` (each rank reads its own batch)."""
     world, me = transport.world_size, transport.rank
-    table = array_paths(ckpt.manifest)
+    table = stored_arrays(ckpt.manifest)
     paths = list(table)
     ids = {path: number for number, path in enumerate(paths)}
     grids: dict[int, CellGrid] = {}
-    refs: dict[int, ArrayRef] = {}
+    refs: dict[int, StoredArray] = {}
 
     def grid(number: int) -> CellGrid:
         found = grids.get(number)
@@ -204,8 +206,9 @@ def plan_shared(
         return found
 
     numbered = {ids[path]: ranges for path, ranges in needs.items()}
-    for number in numbered:
-        grid(number)
+    for number in list(numbered):
+        if not grid(number).plannable:  # read by the rank itself (execute_shared)
+            del numbered[number]
     outboxes: list[list[list[int]]] = [[] for _ in range(world)]
     for home_rank, demand in rank_demands(me, numbered, grids, world):
         outboxes[home_rank].append([demand.array, *demand.rect])
@@ -285,6 +288,12 @@ def execute_shared(
             last_use[tag] = max(last_use.get(tag, -1), piece.round)
     staged: dict[tuple[int, Rect], np.ndarray] = {}
     failure: BaseException | None = None
+    try:  # items of grids the plan does not describe: this rank reads them itself
+        for item in batch.items:
+            if not grid_of(item.stored).plannable:
+                ckpt.fill(item.ref, item.runs, item.out)
+    except (UCFormatError, OSError) as exc:
+        failure = exc
 
     def read_block(tag: int) -> None:
         nonlocal failure
@@ -296,7 +305,7 @@ def execute_shared(
         runs = grid.block_runs([row.rect for row in rows])
         if failure is None:
             try:
-                ckpt.fill(ref, runs, values)
+                ckpt.fill_stored(ref, runs, values)
             except (UCFormatError, OSError) as exc:
                 failure = exc
         at = 0
