@@ -149,6 +149,28 @@ def test_the_distributed_optimizer_reads_each_dp_ranks_shard(
         assert report["bytes_read"] >= report["bytes_needed"]
 
 
+def test_read_once_equals_own_reads(runs: dict[str, dict[str, Run]]) -> None:
+    """TP=1 x DP=2 with the distributed optimizer: both ranks hold the whole model, so
+    ``read="auto"`` reads once (each chunk by one rank, shared over the job's group); every
+    tensor each rank holds equals, bit for bit, what ``read="own"`` loads, and the job fetches
+    from storage at most 1.02x the bytes of the arrays it loads (each once), where own reads
+    fetch the model's twice."""
+    import ucformat
+
+    once, own = runs["tp2dp2>dp2"]["ucformat"], runs["tp2dp2>dp2-own"]["ucformat"]
+    for rank, (got, want) in enumerate(zip(once.ranks, own.ranks, strict=True)):
+        _assert_same(got["held"], want["held"], f"rank {rank}")
+    assert [r["read_mode"] for r in once.reports] == ["once", "once"]
+    assert [r["read_mode"] for r in own.reports] == ["own", "own"]
+    manifest = ucformat.open(Path(once.reports[0]["store"])).manifest
+    needed = sum(ref.nbytes for e in manifest.params.values() for ref in e.states.values())
+    fetched = once.reports[0]["job_bytes_read"]
+    assert fetched == sum(r["bytes_read"] for r in once.reports)
+    assert fetched <= 1.02 * needed, (fetched, needed)
+    assert sum(r["bytes_sent"] for r in once.reports) > 0
+    assert own.reports[0]["job_bytes_read"] > 1.2 * fetched  # the model read by both ranks
+
+
 def test_a_store_of_the_models_own_names_loads(runs: dict[str, dict[str, Run]]) -> None:
     """A store that did not come from Megatron (``ucformat.torch.save`` of the TP=1 model: its
     ``state_dict()`` names) loads by name at TP=2, to the same tensors as the Megatron store."""

@@ -15,7 +15,11 @@ Megatron-LM makes before its ``load_checkpoint``). Per rank:
    array), into new tensors (the model's own are its live parameters); of the distributed
    optimizer's state only the flat range this data-parallel rank's shard keeps
    (:func:`~ucformat.megatron.job.dp_needed`), into the buffers Megatron made for this load
-   (the rest of each is left NaN, never read by Megatron);
+   (the rest of each is left NaN, never read by Megatron). The reads are one
+   :class:`~ucformat.read.batch.ReadBatch` read as every collective loader reads it
+   (:func:`ucformat.read.shared.read_batch`): ``read="own"``, each rank its boxes; ``"once"``
+   (or ``"auto"`` where ranks share chunks: data-parallel replicas of a TP x PP stage, norms
+   every TP rank holds), each chunk once job-wide, then shared;
 3. agree with every other rank that all reads succeeded (:func:`ucformat.collective.settle`),
    then hand the tensors to Megatron exactly as ``dist_checkpointing.load`` would: the common
    state Megatron keeps outside tensors (param groups, step; what ``export megatron`` writes to
@@ -59,8 +63,10 @@ from ucformat.megatron.job import (
     model_key,
     sharded_values,
 )
+from ucformat.read.batch import Pending, ReadBatch
 from ucformat.read.checkpoint import UniversalCheckpoint, open_checkpoint
 from ucformat.read.model_match import match_model, refuse_mismatch
+from ucformat.read.shared import JobReport, check_mode, read_batch
 from ucformat.store.keys import StoreLike
 
 __all__ = ["MegatronLoadReport", "load"]
@@ -70,8 +76,9 @@ _HF_PREFIX = "model.layers."
 
 
 @dataclass
-class MegatronLoadReport:
-    """What :func:`load` did on this rank."""
+class MegatronLoadReport(JobReport):
+    """What :func:`load` did on this rank (and how the job read:
+    :class:`~ucformat.read.shared.JobReport`)."""
 
     #: The iteration the store was saved at (Megatron-LM's ``iteration``).
     iteration: int = 0
@@ -114,6 +121,8 @@ class _Target:
     parts: list[_Part]
     whole: bool
     value: torch.Tensor | None = None
+    #: The parts' values, once their batch is read (:func:`_add_reads`).
+    pending: list[Pending] = field(default_factory=list)
 
 
 def _open(store: StoreLike | UniversalCheckpoint) -> UniversalCheckpoint:
@@ -254,8 +263,19 @@ def _targets(ckpt: UniversalCheckpoint, job: MegatronJob, sharded: Any) -> list[
     return targets
 
 
-def _read(ckpt: UniversalCheckpoint, target: _Target) -> int:
-    """Read ``target``'s parts into a new tensor; return the bytes it needed."""
+def _add_reads(ckpt: UniversalCheckpoint, target: _Target, batch: ReadBatch) -> int:
+    """Add ``target``'s parts to ``batch``; return the bytes they need."""
+    needed = 0
+    for part in target.parts:
+        runs = [(run.start, run.start + run.length, run.chunk_start) for run in part.runs]
+        target.pending.append(batch.runs(ckpt, part.name, part.state, runs))
+        total = sum(run.length for run in part.runs)
+        needed += total * itemsize(ckpt.array_ref(part.name, part.state).dtype)
+    return needed
+
+
+def _fill(target: _Target) -> None:
+    """Put ``target``'s parts, read by their batch, into a new tensor (``target.value``)."""
     like = target.sharded.data
     if target.whole:  # a new tensor: the ShardedTensor's data may be the live parameter
         out = torch.empty(like.shape, dtype=like.dtype)  # row-major, whatever its strides
@@ -263,12 +283,11 @@ def _read(ckpt: UniversalCheckpoint, target: _Target) -> int:
         out = like
         out.fill_(math.nan)
     flat = out.view(-1)
-    needed = 0
-    for part in target.parts:
+    for part, pending in zip(target.parts, target.pending, strict=True):
         total = sum(run.length for run in part.runs)
         if not total:
             continue
-        values = ckpt.read_runs(part.name, part.state, part.runs).to(out.dtype)
+        values = pending.value().to(out.dtype)
         first = part.positions[0][0]
         if all(a + n == b for (a, n), (b, _) in itertools.pairwise(part.positions)):
             flat[first : first + total] = values  # its local positions follow each other
@@ -277,9 +296,7 @@ def _read(ckpt: UniversalCheckpoint, target: _Target) -> int:
                 flat[position : position + length] = values[
                     run.chunk_start : run.chunk_start + length
                 ]
-        needed += total * itemsize(ckpt.array_ref(part.name, part.state).dtype)
     target.value = out
-    return needed
 
 
 def _optimizer_state(ckpt: UniversalCheckpoint, job: MegatronJob) -> Any:
@@ -326,6 +343,7 @@ def load(
     store: StoreLike | UniversalCheckpoint,
     *,
     scheduler: Any = None,
+    read: str = "auto",
 ) -> MegatronLoadReport:
     """Load a store into a live Megatron-Core model (and optimizer), on every rank of the job.
 
@@ -340,6 +358,10 @@ def load(
         store: a store path/URL/``Store`` or an opened checkpoint.
         scheduler: Megatron's ``OptimizerParamScheduler``, given the stored
             ``opt_param_scheduler`` state when the store holds it.
+        read: ``"once"``: every chunk is fetched from storage by one rank and shared over the
+            job's process group; ``"own"``: every rank reads its own boxes (no collective
+            before the agreement); ``"auto"`` (default): once where the ranks share chunks
+            (docs/loading.md, "Read once"). The job ends the same bit for bit either way.
 
     Raises:
         ModelMismatchError: the model's names or shapes, or the optimizer's param groups, differ
@@ -361,6 +383,7 @@ def load(
     from megatron.core.dist_checkpointing.utils import extract_sharded_base
 
     started = time.perf_counter()
+    check_mode(read)
     ckpt = _open(store)
     manifest = ckpt.manifest
     before, requests_before = ckpt.stats.bytes_read, ckpt.stats.requests
@@ -375,6 +398,7 @@ def load(
     failure: BaseException | None = None
     targets: list[_Target] = []
     common: dict[str, Any] = {}
+    batch = ReadBatch()
     try:
         sharded, nonpersistent, factories = load_preprocess(job.request)
         sharded, _ = extract_sharded_base(sharded)
@@ -382,18 +406,21 @@ def load(
         if optimizer is not None:
             common["optimizer"] = _optimizer_state(ckpt, job)
         for target in targets:
-            report.bytes_needed += _read(ckpt, target)
-    except (UCFormatError, OSError) as exc:
-        failure = exc
+            report.bytes_needed += _add_reads(ckpt, target, batch)
+    except (UCFormatError, OSError) as exc:  # still take part in the job's reads
+        failure, batch, targets = exc, ReadBatch(), []
+    ranks = ranks_group().operation()
+    outcome = read_batch(ckpt, batch, ranks, read=read)
+    failure = failure or outcome.failure
+    if failure is None:
+        for target in targets:
+            _fill(target)
 
     def forget_dummy_states() -> None:
         for inner in job.dummy_states:
             inner.optimizer.state.clear()
 
-    settle(
-        failure, ranks_group().operation(), ckpt.where, undone=NOTHING_LOADED,
-        cleanup=forget_dummy_states,
-    )  # fmt: skip
+    settle(failure, ranks, ckpt.where, undone=NOTHING_LOADED, cleanup=forget_dummy_states)
 
     # --- nothing above changed the model or the optimizer's values; from here on, write -------
     values = {id(t.sharded): t.value for t in targets}
@@ -420,5 +447,6 @@ def load(
     report.tensors = len(targets)
     report.bytes_read = ckpt.stats.bytes_read - before
     report.requests = ckpt.stats.requests - requests_before
+    report.record(outcome, ranks, report.bytes_read, report.requests, report.bytes_needed)
     report.seconds = time.perf_counter() - started
     return report
