@@ -2,11 +2,15 @@
 
 ``python -m tests.bench.scale_read_once [--markdown] [--only NAME,...] [--cache DIR]``
 
-For each configuration a *manifest-only store* is generated for the model's shape (a
-``ucformat.json`` and nothing else: every array's chunk and shard shapes from the converter's
-own chunking, ``choose_chunking`` with the default policy, fp32 masters and both Adam states),
+For each configuration a *manifest-only store* is generated for the model's shape by the real
+planner: the model described as the converter describes a ZeRO-1 checkpoint of 64 ranks (every
+parameter trainable, fp32 masters and both Adam states, no tensor bytes:
+:func:`tests.bench.store_objects.describe`), planned by :func:`ucformat.write.plan.plan_convert`
+with the default chunk policy (format 3.1: stacks, box chunks of large matrices) and committed
+as ``ucformat.json`` alone: the store of docs/benchmarks.md's "Objects per store" table. It is
 opened with ``ucformat.open`` (the bytes and time every rank spends on the manifest), and every
-rank's needs are laid out by the real layout code:
+rank's needs are laid out by the real layout code, then taken to the stored arrays (stacks)
+that hold them, as the loaders hand them over (:meth:`ucformat.read.batch.ReadBatch.needs`):
 
 * ``llama405b-zero1``: Llama-3-405B (hidden 16384, MLP 53248, 126 layers, GQA 8 kv heads,
   vocab 128256) at TP 8 x PP 16 x DP 128 = 16,384 ranks, DeepSpeed ZeRO-1: each (stage, tp
@@ -48,9 +52,8 @@ from pathlib import Path
 from typing import Any
 
 import ucformat
-from ucformat.format.models import ArrayRef, CheckpointManifest, OptimizerGroup, ParamEntry
-from ucformat.layout.cells import CellGrid, OutBox
-from ucformat.layout.chunking import ChunkPolicy, choose_chunking
+from ucformat.format.stacks import placement
+from ucformat.layout.cells import OutBox
 from ucformat.layout.experts import ExpertRanks
 from ucformat.layout.partition import Fragment, PartitionedFlatLayout, PerParamLayout
 from ucformat.layout.placements import Placement, local_intervals, local_runs
@@ -64,7 +67,7 @@ from ucformat.layout.read_once import (
 )
 from ucformat.layout.simulate import ReadOnceSimulation, simulate_read_once
 from ucformat.read.batch import grid_of
-from ucformat.read.once import DEFAULT_BUDGET, array_paths
+from ucformat.read.once import DEFAULT_BUDGET, stored_arrays
 
 KIB, MIB, GIB = 1024, 1024 * 1024, 1024**3
 STATES = ("fp32", "exp_avg", "exp_avg_sq")
@@ -86,128 +89,108 @@ class Param:
         return math.prod(self.shape)
 
 
-def llama405b() -> tuple[list[Param], int]:
-    """Llama-3-405B's parameters in module order, and its layer count."""
-    h, f, layers, vocab, kv = 16384, 53248, 126, 128256, 1024
-    out = [Param("model.embed_tokens.weight", (vocab, h), "col", -1)]
-    for i in range(layers):
-        p = f"model.layers.{i}."
-        out += [
-            Param(p + "input_layernorm.weight", (h,), "rep", i),
-            Param(p + "self_attn.q_proj.weight", (h, h), "col", i),
-            Param(p + "self_attn.k_proj.weight", (kv, h), "col", i),
-            Param(p + "self_attn.v_proj.weight", (kv, h), "col", i),
-            Param(p + "self_attn.o_proj.weight", (h, h), "row", i),
-            Param(p + "post_attention_layernorm.weight", (h,), "rep", i),
-            Param(p + "mlp.gate_proj.weight", (f, h), "col", i),
-            Param(p + "mlp.up_proj.weight", (f, h), "col", i),
-            Param(p + "mlp.down_proj.weight", (h, f), "row", i),
-        ]
-    out += [Param("model.norm.weight", (h,), "rep", layers)]
-    out += [Param("lm_head.weight", (vocab, h), "col", layers)]
+#: Tensor-parallel splits of Llama's matrices (Megatron's column- and row-parallel layers).
+_COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "embed_tokens", "lm_head")
+_ROW = ("o_proj", "down_proj")
+
+
+def params_of(shapes: Sequence[tuple[str, tuple[int, ...]]], tensor_parallel: bool) -> tuple[
+    list[Param], int
+]:  # fmt: skip
+    """The parameters (:func:`tests.bench.store_objects` shape lists, module order) with their
+    split, layer and expert, and the layer count."""
+
+    def layer_of(parts: list[str]) -> int | None:
+        return int(parts[parts.index("layers") + 1]) if "layers" in parts else None
+
+    layers = 1 + max(layer_of(n.split(".")) or 0 for n, _ in shapes)
+    out = []
+    for name, shape in shapes:
+        parts = name.split(".")
+        layer = layer_of(parts)
+        if layer is None:
+            layer = -1 if "embed_tokens" in parts else layers
+        expert = int(parts[parts.index("experts") + 1]) if "experts" in parts else None
+        split = "rep"
+        if tensor_parallel and len(shape) == 2:
+            split = "row" if any(k in parts for k in _ROW) else split
+            split = "col" if any(k in parts for k in _COLUMN) else split
+        out.append(Param(name, tuple(shape), split, layer, expert))
     return out, layers
+
+
+def llama405b() -> tuple[list[Param], int]:
+    """Llama 3.1 405B (:func:`tests.bench.store_objects.llama_405b`), tensor-parallel splits."""
+    from tests.bench.store_objects import llama_405b
+
+    return params_of(llama_405b(), True)
 
 
 def deepseek_v3() -> tuple[list[Param], int]:
-    """DeepSeek-V3's parameters (HF names) in module order, and its layer count."""
-    h, layers, vocab, experts, moe_f, dense_f = 7168, 61, 129280, 256, 2048, 18432
-    out = [Param("model.embed_tokens.weight", (vocab, h), "rep", -1)]
-    for i in range(layers):
-        p = f"model.layers.{i}."
-        out += [
-            Param(p + "input_layernorm.weight", (h,), "rep", i),
-            Param(p + "self_attn.q_a_proj.weight", (1536, h), "rep", i),
-            Param(p + "self_attn.q_a_layernorm.weight", (1536,), "rep", i),
-            Param(p + "self_attn.q_b_proj.weight", (128 * 192, 1536), "rep", i),
-            Param(p + "self_attn.kv_a_proj_with_mqa.weight", (576, h), "rep", i),
-            Param(p + "self_attn.kv_a_layernorm.weight", (512,), "rep", i),
-            Param(p + "self_attn.kv_b_proj.weight", (128 * 256, 512), "rep", i),
-            Param(p + "self_attn.o_proj.weight", (h, 128 * 128), "rep", i),
-            Param(p + "post_attention_layernorm.weight", (h,), "rep", i),
-        ]
-        mlp = [("gate_proj", (moe_f, h)), ("up_proj", (moe_f, h)), ("down_proj", (h, moe_f))]
-        if i < 3:
-            out += [
-                Param(p + "mlp.gate_proj.weight", (dense_f, h), "rep", i),
-                Param(p + "mlp.up_proj.weight", (dense_f, h), "rep", i),
-                Param(p + "mlp.down_proj.weight", (h, dense_f), "rep", i),
-            ]
-            continue
-        out += [Param(p + "mlp.gate.weight", (experts, h), "rep", i)]
-        out += [Param(p + f"mlp.shared_experts.{n}.weight", s, "rep", i) for n, s in mlp]
-        for e in range(experts):
-            out += [Param(p + f"mlp.experts.{e}.{n}.weight", s, "rep", i, e) for n, s in mlp]
-    out += [Param("model.norm.weight", (h,), "rep", layers)]
-    out += [Param("lm_head.weight", (vocab, h), "rep", layers)]
-    return out, layers
+    """DeepSeek-V3 (:func:`tests.bench.store_objects.deepseek_v3`), no tensor parallelism."""
+    from tests.bench.store_objects import deepseek_v3 as shapes
+
+    return params_of(shapes(), False)
 
 
-# --- the manifest-only store --------------------------------------------------------------------
-def _template(cache: Path) -> CheckpointManifest:
-    """A real manifest of a tiny model (source, optimizer, progress: everything but params)."""
-    import torch
+def llama7b() -> tuple[list[Param], int]:
+    """The LLaMA-7B-like model of the simulated-scale table (tests/bench/scale.py)."""
+    from tests.bench.scale import LLAMA_7B
 
-    path = cache / "template.ucf"
-    if not (path / "ucformat.json").exists():
-        model = torch.nn.Linear(4, 4)
-        optimizer = torch.optim.AdamW(model.parameters())
-        model(torch.ones(1, 4)).sum().backward()
-        optimizer.step()
-        ucformat.torch.save(model, optimizer, str(path), overwrite=True, fsync=False)
-    return ucformat.open(str(path)).manifest
+    return params_of(LLAMA_7B.params(), False)
+
+
+# --- the manifest-only store ----------------------------------------------------------------
+#: The source the store is converted from: a ZeRO-1 checkpoint of this many ranks.
+SOURCE_WORLD = 64
 
 
 def manifest_store(name: str, params: Sequence[Param], cache: Path) -> Path:
-    """``<cache>/<name>.ucf``: only ``ucformat.json`` (see the module docstring)."""
-    from ucformat.store.keys import open_store
-    from ucformat.store.manifest_io import commit_manifest
+    """``<cache>/<name>.ucf``: only ``ucformat.json``, from the real planner (module docstring)."""
+    from tests.bench.store_objects import describe
+    from ucformat.store.manifest_io import manifest_digest
+    from ucformat.write.plan import ConvertOptions, plan_convert
 
     path = cache / f"{name}.ucf"
     if (path / "ucformat.json").exists():
         return path
-    template = _template(cache)
-    policy = ChunkPolicy()
-    entries: dict[str, ParamEntry] = {}
-    by_shape: dict[tuple[int, ...], Any] = {}
-    step = next(iter(template.params.values())).scalars
-    for param in params:
-        chunking = by_shape.get(param.shape)
-        if chunking is None:
-            chunking = by_shape[param.shape] = choose_chunking(param.shape, 4, policy)
-        states = {
-            state: ArrayRef(
-                path=f"params/{param.name}/{state}",
-                dtype="float32",
-                shape=list(param.shape),
-                chunk_shape=list(chunking.chunk_shape),
-                shard_shape=list(chunking.shard_shape),
-                nbytes=4 * param.numel,
-            )
-            for state in STATES
-        }
-        entries[param.name] = ParamEntry(
-            shape=list(param.shape), dtype="bfloat16", requires_grad=True,
-            group=0 if len(param.shape) >= 2 else 1, states=states, scalars=step,
-        )  # fmt: skip
-    assert template.optimizer is not None
-    hyper = template.optimizer.groups[0].hyperparams
-    groups = [
-        OptimizerGroup(params=[p.name for p in params if len(p.shape) >= 2], hyperparams=hyper),
-        OptimizerGroup(params=[p.name for p in params if len(p.shape) < 2], hyperparams=hyper),
-    ]
-    manifest = template.model_copy(
-        update={
-            "params": entries,
-            "optimizer": template.optimizer.model_copy(update={"groups": groups}),
-        }
-    )
+    source = describe([(p.name, p.shape) for p in params], SOURCE_WORLD)
+    manifest = plan_convert(source, ConvertOptions()).manifest  # type: ignore[arg-type]
+    stamped = manifest.model_copy(update={"digest": manifest_digest(manifest)})
     path.mkdir(parents=True, exist_ok=True)
-    commit_manifest(open_store(str(path), read_only=False), manifest, durable=False)
+    (path / "ucformat.json").write_text(stamped.model_dump_json(indent=1))
     return path
 
 
+@dataclass(frozen=True)
+class Place:
+    """Where a logical array lies: its stored array's id, its flat offset in it and its index
+    (a box-chunked stack's matrices lie ``rows`` apart)."""
+
+    array: int
+    offset: int
+    index: int
+    rows: int
+
+
+#: Per (parameter, state): its :class:`Place`.
+Places = dict[tuple[str, str], Place]
+
+
+def places(ckpt: Any, ids: dict[str, int]) -> Places:
+    """Every (parameter, state)'s :class:`Place`."""
+    out = {}
+    for name, entry in ckpt.manifest.params.items():
+        for state, ref in entry.states.items():
+            stored, offset = placement(ref)
+            index = ref.stack.index if ref.stack is not None else 0
+            rows = ref.shape[0] if ref.shape else 1
+            out[name, state] = Place(ids[stored.path], offset, index, rows)
+    return out
+
+
 # --- every rank's needs, from the layout code ---------------------------------------------------
-Needs = dict[int, list[tuple[int, int]] | list[OutBox]]
+Needs = dict[int, list[tuple[int, int] | OutBox]]
 
 
 def _stages(layers: int, stages: int) -> list[int]:
@@ -225,14 +208,15 @@ def _stage_of(param: Param, bounds: list[int]) -> int:
 
 
 class Layout:
-    """A job's ranks and what each needs (subclasses), over one manifest's array ids."""
+    """A job's ranks and what each needs (subclasses), over one manifest's stored arrays."""
 
     name: str
     world_size: int
+    states: tuple[str, ...] = STATES
 
-    def __init__(self, params: Sequence[Param], layers: int, ids: dict[str, int]) -> None:
+    def __init__(self, params: Sequence[Param], layers: int, places: Places) -> None:
         self.params = list(params)
-        self.ids = ids
+        self.places = places
         self.layers = layers
 
     def needs(self, rank: int) -> Needs:  # pragma: no cover - abstract
@@ -242,11 +226,20 @@ class Layout:
         """The same needs as a loader hands them over (per-row runs where it has them)."""
         return self.needs(rank)
 
-    def _add(
-        self, needs: Needs, param: Param, pieces: list[tuple[int, int]] | list[OutBox]
-    ) -> None:
-        for state in STATES:
-            needs.setdefault(self.ids[f"params/{param.name}/{state}"], []).extend(pieces)  # type: ignore[arg-type]
+    def _add(self, needs: Needs, param: Param, pieces: Sequence[tuple[int, int] | OutBox]) -> None:
+        """Add ``pieces`` of every state of ``param`` (flat ranges and boxes of the logical
+        array) as pieces of the stored arrays holding them (a stack's member ``i``: flat
+        offset ``i * numel``, matrix rows from ``i * rows``)."""
+        for state in self.states:
+            place = self.places[param.name, state]
+            shift = place.index * place.rows
+            out = needs.setdefault(place.array, [])
+            for piece in pieces:
+                if isinstance(piece, OutBox):
+                    out.append(OutBox(piece.y0 + shift, piece.y1 + shift, piece.x0, piece.x1,
+                                      piece.at, piece.stride))  # fmt: skip
+                else:
+                    out.append((piece[0] + place.offset, piece[1] + place.offset))
 
 
 def _shard_of(param: Param, tp: int, t: int) -> tuple[int, ...]:
@@ -259,7 +252,7 @@ def _shard_of(param: Param, tp: int, t: int) -> tuple[int, ...]:
 
 def _logical(
     param: Param, tp: int, t: int, start: int, stop: int
-) -> list[tuple[int, int]] | list[OutBox]:
+) -> Sequence[tuple[int, int] | OutBox]:
     """A fragment ``[start, stop)`` of rank ``t``'s tensor-parallel shard, in the full array:
     a flat range (replicated, column-parallel) or the boxes of its rows (row-parallel)."""
     if param.split == "rep" or tp == 1:
@@ -288,9 +281,9 @@ def _logical(
 class DenseZero1(Layout):
     """DeepSpeed ZeRO-1 with tensor and pipeline parallelism (module docstring)."""
 
-    def __init__(self, params: Sequence[Param], layers: int, ids: dict[str, int], *, tp: int,
-                 pp: int, dp: int) -> None:  # fmt: skip
-        super().__init__(params, layers, ids)
+    def __init__(self, params: Sequence[Param], layers: int, places: Places, *, tp: int, pp: int,
+                 dp: int) -> None:  # fmt: skip
+        super().__init__(params, layers, places)
         self.name = f"zero1 tp{tp} pp{pp} dp{dp}"
         self.tp, self.pp, self.dp = tp, pp, dp
         self.world_size = tp * pp * dp
@@ -353,9 +346,9 @@ class DenseZero1(Layout):
 class DenseHSDP(Layout):
     """FSDP2 + TP as HSDP, per pipeline stage (module docstring)."""
 
-    def __init__(self, params: Sequence[Param], layers: int, ids: dict[str, int], *, tp: int,
-                 pp: int, replicate: int, shard: int) -> None:  # fmt: skip
-        super().__init__(params, layers, ids)
+    def __init__(self, params: Sequence[Param], layers: int, places: Places, *, tp: int, pp: int,
+                 replicate: int, shard: int) -> None:  # fmt: skip
+        super().__init__(params, layers, places)
         self.name = f"hsdp tp{tp} pp{pp} dp{replicate}x{shard}"
         self.mesh = (replicate, shard, tp)
         self.world_size = replicate * shard * tp * pp
@@ -405,9 +398,9 @@ class DenseHSDP(Layout):
 class MoEZero1(Layout):
     """DeepSpeed MoE, ZeRO-1, with pipeline parallelism (module docstring)."""
 
-    def __init__(self, params: Sequence[Param], layers: int, ids: dict[str, int], *, ep: int,
-                 pp: int, dp: int, experts: int = 256) -> None:  # fmt: skip
-        super().__init__(params, layers, ids)
+    def __init__(self, params: Sequence[Param], layers: int, places: Places, *, ep: int, pp: int,
+                 dp: int, experts: int = 256) -> None:  # fmt: skip
+        super().__init__(params, layers, places)
         self.name = f"moe ep{ep} pp{pp} dp{dp}"
         self.pp, self.dp = pp, dp
         self.ranks = ExpertRanks(world_size=dp, ep_size=ep, num_experts=experts)
@@ -449,18 +442,21 @@ class MoEZero1(Layout):
 class Zero3(Layout):
     """Every parameter in ``ceil(n / W)`` pieces (fp32 only: the simulated-scale table)."""
 
-    def __init__(self, params: Sequence[Param], layers: int, ids: dict[str, int], *,
-                 world_size: int) -> None:  # fmt: skip
-        super().__init__(params, layers, ids)
+    states = ("fp32",)
+
+    def __init__(self, params: Sequence[Param], layers: int,
+                 places: Places, *, world_size: int) -> None:  # fmt: skip
+        super().__init__(params, layers, places)
         self.name = f"zero3 w{world_size} (fp32)"
         self.world_size = world_size
+        self.by_name = {p.name: p for p in params}
         self.layout = PerParamLayout.build([(p.name, p.numel) for p in params], world_size)
 
     def needs(self, rank: int) -> Needs:
-        return {
-            self.ids[f"params/{f.name}/fp32"]: [(f.param_start, f.param_stop)]
-            for f in self.layout.fragments(rank)
-        }
+        needs: Needs = {}
+        for f in self.layout.fragments(rank):
+            self._add(needs, self.by_name[f.name], [(f.param_start, f.param_stop)])
+        return needs
 
 
 # --- one configuration ----------------------------------------------------------------------------
@@ -472,6 +468,7 @@ class Result:
     model: str
     world_size: int
     arrays: int
+    stored_arrays: int
     manifest_bytes: int
     open_s: float
     open_mib: float
@@ -489,11 +486,14 @@ def _sample_ranks(sim: ReadOnceSimulation) -> list[int]:
     return sorted({0, sim.world_size - 1, homed, busiest})
 
 
-def _plan_rank(rank: int, layout: Layout, grids: dict[int, CellGrid],
-               sim: ReadOnceSimulation) -> int:  # fmt: skip
-    """What one rank plans alone: its needs as its loader hands them over, its demands, its
-    homes' plan, its rounds (module docstring); the rows it plans with."""
+def _plan_rank(rank: int, layout: Layout, ckpt: Any, sim: ReadOnceSimulation) -> int:
+    """What one rank plans alone (:func:`ucformat.read.once.plan_shared` without its
+    collectives): the store's stored arrays and their grids, its needs as its loader hands them
+    over, its demands, its homes' plan from the demands the others send it, its rounds (module
+    docstring); the rows it plans with."""
     world = layout.world_size
+    stored = stored_arrays(ckpt.manifest)
+    grids = {number: grid_of(array) for number, array in enumerate(stored.values())}
     demands = rank_demands(rank, layout.loader_needs(rank), grids, world)
     plan = plan_shards(sim.homed[rank], grids, home=rank)
     rows = sim.rows.get(rank, [])
@@ -514,7 +514,7 @@ def _plan_rank(rank: int, layout: Layout, grids: dict[int, CellGrid],
 
 def run_config(
     name: str, model: str, params: Sequence[Param], layers: int, cache: Path,
-    make: Callable[[Sequence[Param], int, dict[str, int]], Layout], *, samples: bool = True,
+    make: Callable[..., Layout], *, samples: bool = True,
 ) -> Result:  # fmt: skip
     """Simulate one configuration (module docstring)."""
     store = manifest_store(model, params, cache)
@@ -526,24 +526,26 @@ def run_config(
     ucformat.open(str(store))
     open_mib = tracemalloc.get_traced_memory()[1] / MIB
     tracemalloc.stop()
-    refs = array_paths(ckpt.manifest)
+    refs = stored_arrays(ckpt.manifest)
     ids = {path: number for number, path in enumerate(refs)}
     grids = {ids[path]: grid_of(ref) for path, ref in refs.items()}
-    layout = make(params, layers, ids)
-    result = Result(name, model, layout.world_size, len(refs), size, open_s, open_mib, 0)
+    layout = make(params, layers, places(ckpt, ids))
+    logical = sum(len(e.states) for e in ckpt.manifest.params.values())
+    result = Result(name, model, layout.world_size, logical, len(refs), size, open_s, open_mib, 0)
     started = time.perf_counter()
     sim = simulate_read_once(grids, layout.world_size, layout.needs,
                              sample=_sample_ranks if samples else None)  # fmt: skip
     result.sim_s = time.perf_counter() - started
     result.sim = sim
-    states = STATES if not isinstance(layout, Zero3) else ("fp32",)
-    result.needed = sum(4 * p.numel for p in params) * len(states)
+    result.needed = sum(4 * p.numel for p in params) * len(layout.states)
     for rank in sorted(sim.homed):
+        _clear_caches()
         started = time.perf_counter()
-        rows = _plan_rank(rank, layout, grids, sim)
+        rows = _plan_rank(rank, layout, ckpt, sim)
         seconds = time.perf_counter() - started
+        _clear_caches()
         tracemalloc.start()
-        _plan_rank(rank, layout, grids, sim)
+        _plan_rank(rank, layout, ckpt, sim)
         peak = tracemalloc.get_traced_memory()[1] / MIB
         tracemalloc.stop()
         traffic = sim.ranks[rank]
@@ -561,13 +563,22 @@ CONFIGS: dict[str, tuple[str, Callable[..., Layout]]] = {
         functools.partial(DenseHSDP, tp=8, pp=16, replicate=16, shard=8),
     ),
     "deepseek-v3-ep64": ("deepseek-v3", functools.partial(MoEZero1, ep=64, pp=16, dp=128)),
+    "llama7b-zero3-w4096": ("llama7b", functools.partial(Zero3, world_size=4096)),
 }
-MODELS = {"llama405b": llama405b, "deepseek-v3": deepseek_v3}
+MODELS = {"llama405b": llama405b, "deepseek-v3": deepseek_v3, "llama7b": llama7b}
+
+
+def _clear_caches() -> None:
+    """Forget the layouts the simulation built, so that a sampled rank builds its own."""
+    DenseZero1.groups.cache_clear()
+    MoEZero1.dense.cache_clear()
+    MoEZero1.experts.cache_clear()
 
 
 def markdown(results: Sequence[Result]) -> str:
     """The results as the table in docs/benchmarks.md."""
-    head = ["config", "W", "arrays", "manifest", "open s", "plan s / MiB (max of sample)",
+    head = ["config", "W", "arrays (stored)", "manifest", "open s",
+            "plan s / MiB (max of sample)",
             "storage / needed (own)", "requests (own)", "read per rank max / mean",
             "exchanged"]  # fmt: skip
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -578,7 +589,8 @@ def markdown(results: Sequence[Result]) -> str:
         plan_s = max((s["seconds"] for s in r.samples), default=float("nan"))
         plan_mib = max((s["peak_mib"] for s in r.samples), default=float("nan"))
         cells = [
-            r.config, f"{r.world_size:,}", f"{r.arrays:,}", f"{r.manifest_bytes / MIB:.1f} MiB",
+            r.config, f"{r.world_size:,}", f"{r.arrays:,} ({r.stored_arrays:,})",
+            f"{r.manifest_bytes / MIB:.1f} MiB",
             f"{r.open_s:.2f}", f"{plan_s:.2f} / {plan_mib:.0f}",
             f"{sim.storage_bytes / r.needed:.4f} ({sim.own_bytes / r.needed:.3f})",
             f"{sim.storage_requests:,} ({sim.own_requests:,})",
@@ -598,22 +610,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--no-samples", action="store_true")
     args = parser.parse_args(argv)
     args.cache.mkdir(parents=True, exist_ok=True)
-    wanted = [n for n in args.only.split(",") if n] or [*CONFIGS, "llama7b-zero3-w4096"]
+    wanted = [n for n in args.only.split(",") if n] or list(CONFIGS)
     results = []
     for name in wanted:
         started = time.perf_counter()
-        if name == "llama7b-zero3-w4096":
-            from tests.bench.scale import LLAMA_7B
-
-            params = [Param(n, s, "rep", 0) for n, s in LLAMA_7B.params()]
-            result = run_config(name, "llama7b", params, 32, args.cache,
-                                functools.partial(Zero3, world_size=4096),
-                                samples=not args.no_samples)  # fmt: skip
-        else:
-            model, make = CONFIGS[name]
-            params, layers = MODELS[model]()
-            result = run_config(name, model, params, layers, args.cache, make,
-                                samples=not args.no_samples)  # fmt: skip
+        model, make = CONFIGS[name]
+        params, layers = MODELS[model]()
+        result = run_config(name, model, params, layers, args.cache, make,
+                            samples=not args.no_samples)  # fmt: skip
         results.append(result)
         sim = result.sim
         assert sim is not None

@@ -19,6 +19,7 @@ import pytest
 
 from ucformat.layout.cells import CellGrid, OutBox, cell_grid
 from ucformat.layout.chunking import ChunkPolicy, choose_chunking
+from ucformat.layout.reads import chunk_rects_read_cost, range_read_cost
 from ucformat.layout.read_once import (
     READ,
     RECV,
@@ -106,6 +107,21 @@ def test_cells_of_needs_and_copies(grid: CellGrid) -> None:
         assert sum(map(len, got)) == len(wanted)  # disjoint
         for rect in rects:  # each within one shard
             assert grid.shard_of(rect[0]) == grid.shard_of(rect[1] - 1)
+        # the cells' chunks as chunk-grid rects, and a reader's cost of them as one read
+        extent = [math.ceil(d / k) for d, k in zip(grid.shape, grid.chunk_shape, strict=True)]
+        parts = [part for rect in rects for part in grid.chunk_rects(rect)]
+        chunk_ids = {
+            int(np.ravel_multi_index(cell, extent)) if grid.shape else 0
+            for part in parts
+            for cell in itertools.product(*(range(lo, hi) for lo, hi in part))
+        }
+        assert chunk_ids == wanted
+        if grid.box:  # as a reader's block is costed (layout/read_once.reads_cost)
+            block = [(a, b) for a, b, _ in grid.block_runs(rects)]
+            layout = (grid.shape, grid.chunk_shape, grid.shard_shape, grid.itemsize)
+            assert chunk_rects_read_cost(*layout, [parts]) == range_read_cost(
+                *layout, block, together=True
+            )
         # stage every rect as a reader would (region_runs), place it with the planned copies
         size = sum(stop - start for start, stop, _ in runs)
         out = np.full(size, -1, dtype=np.int64)

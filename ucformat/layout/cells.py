@@ -40,7 +40,7 @@ from functools import cached_property
 
 from ucformat.layout.chunking import is_flat_chunking
 from ucformat.layout.partition import ceil_div
-from ucformat.layout.ranges import union_cover
+from ucformat.layout.ranges import flat_range_to_boxes, union_cover
 
 __all__ = [
     "Copy",
@@ -179,6 +179,19 @@ class CellGrid:
         along = rest // inner // per * per
         base = outer * grid[cut] * inner
         return base + along * inner, base + min(along + per, grid[cut]) * inner
+
+    def chunk_rects(self, rect: Rect) -> list[tuple[tuple[int, int], ...]]:
+        """The chunks of ``rect``'s cells as rects of the array's chunk grid (per dimension
+        ``(lo, hi)`` of chunk coordinates), at most ``2 * ndim - 1`` of them."""
+        i0, i1, j0, j1 = rect
+        if not self.shape:
+            return [()] if i0 < i1 else []
+        rows = self._row_grid._chunk_grid if self.box else self._chunk_grid
+        tail = ((j0, j1),) if self.box else ()
+        return [
+            (*((part.start, part.stop) for part in box), *tail)
+            for box in flat_range_to_boxes(rows, i0, i1)
+        ]
 
     def shard_index_bytes(self) -> int:
         """Bytes of one shard's index (16 per chunk slot, plus a crc32c)."""

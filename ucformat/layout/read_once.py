@@ -46,7 +46,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from ucformat.layout.cells import CellGrid, OutBox, Rect
-from ucformat.layout.reads import ReadCost, range_read_cost
+from ucformat.layout.reads import ReadCost, chunk_rects_read_cost, range_read_cost
 
 __all__ = [
     "RECV",
@@ -55,6 +55,7 @@ __all__ = [
     "BlockPolicy",
     "Demand",
     "HomePlan",
+    "NeedItems",
     "Piece",
     "Row",
     "ShardNeeds",
@@ -132,30 +133,48 @@ def home_of(array: int, shard: int, world_size: int) -> int:
     return zlib.crc32(f"{array}/{shard}".encode()) % world_size
 
 
+#: A rank's needs of one array: flat ranges and boxes (of the array seen as a matrix of its
+#: last dimension's columns: :class:`~ucformat.layout.cells.OutBox`), in any mix.
+NeedItems = Sequence[tuple[int, int] | OutBox]
+
+
 def rank_demands(
     rank: int,
-    needs: Mapping[int, Sequence[tuple[int, int]] | Sequence[OutBox]],
+    needs: Mapping[int, NeedItems],
     grids: Mapping[int, CellGrid],
     world_size: int,
 ) -> list[tuple[int, Demand]]:
-    """A rank's needs (per array: flat ranges, or boxes of a box-chunked matrix) as demands,
-    each with its home rank."""
+    """A rank's needs (per stored array: flat ranges and boxes) as demands, each with its home
+    rank."""
     out: list[tuple[int, Demand]] = []
-    for array, ranges in needs.items():
+    for array, items in needs.items():
         grid = grids[array]
-        if grid.box and ranges and isinstance(ranges[0], OutBox):
-            rects = grid.need_rects([box for box in ranges if isinstance(box, OutBox)])
+        boxes = [item for item in items if isinstance(item, OutBox)]
+        runs: list[tuple[int, int, int]] = []
+        at = 0
+        for item in items:
+            if not isinstance(item, OutBox):  # consecutive in the output: column blocks merge
+                runs.append((item[0], item[1], at))
+                at += item[1] - item[0]
+        if grid.box:
+            rects = grid.need_rects([*boxes, *grid.out_boxes(runs)])
         else:
-            runs: list[tuple[int, int, int]] = []
-            at = 0
-            for start, stop in ranges:  # type: ignore[misc]
-                runs.append((start, stop, at))  # consecutive in the output: column blocks merge
-                at += stop - start
-            rects = grid.need_rects(grid.out_boxes(runs) if grid.box else runs)
+            rects = grid.need_rects([*runs, *_box_runs(boxes, grid.shape[-1] if grid.shape else 1)])
         for rect in rects:
             home = home_of(array, grid.shard_of(rect[0])[0], world_size)
             out.append((home, Demand(rank, array, rect)))
     return out
+
+
+def _box_runs(boxes: Sequence[OutBox], cols: int) -> list[tuple[int, int, int]]:
+    """Boxes of a flat-chunked array as its flat runs (whole rows as one run)."""
+    runs: list[tuple[int, int, int]] = []
+    for box in boxes:
+        if box.x0 == 0 and box.x1 == cols:
+            runs.append((box.y0 * cols, box.y1 * cols, 0))
+        else:
+            runs += [(y * cols + box.x0, y * cols + box.x1, 0) for y in range(box.y0, box.y1)]
+    return runs
 
 
 @dataclass
@@ -381,9 +400,14 @@ def reads_cost(rows: Iterable[Row], grids: Mapping[int, CellGrid]) -> ReadCost:
     for block in blocks.values():
         grid = grids[block[0].array]
         shards.update((row.array, grid.shard_of(row.rect[0])[0]) for row in block)
-        runs = [(start, stop) for start, stop, _ in grid.block_runs([row.rect for row in block])]
-        cost = range_read_cost(grid.shape, grid.chunk_shape, grid.shard_shape, grid.itemsize,
-                               runs, together=grid.box)  # fmt: skip
+        if grid.box:  # one read of the block's chunks, found from its cells directly
+            rects = [part for row in block for part in grid.chunk_rects(row.rect)]
+            cost = chunk_rects_read_cost(grid.shape, grid.chunk_shape, grid.shard_shape,
+                                         grid.itemsize, [rects])  # fmt: skip
+        else:
+            runs = [(a, b) for a, b, _ in grid.block_runs([row.rect for row in block])]
+            cost = range_read_cost(grid.shape, grid.chunk_shape, grid.shard_shape, grid.itemsize,
+                                   runs)  # fmt: skip
         total += ReadCost(cost.data_bytes, 0, cost.chunks, 0, cost.data_requests, 0)
     for array, _ in shards:
         index_bytes += grids[array].shard_index_bytes()

@@ -31,7 +31,13 @@ from ucformat.layout.placements import merge_runs
 from ucformat.layout.ranges import Rect, box_rect, flat_range_to_boxes, union_cover
 from ucformat.layout.shards import morton_order
 
-__all__ = ["ReadCost", "chunk_ids", "range_read_cost", "runs_read_cost"]
+__all__ = [
+    "ReadCost",
+    "chunk_ids",
+    "chunk_rects_read_cost",
+    "range_read_cost",
+    "runs_read_cost",
+]
 
 CRC_BYTES = 4
 INDEX_ENTRY_BYTES = 16
@@ -205,8 +211,6 @@ def _box_read_cost(
     together: bool,
 ) -> ReadCost:
     """:func:`range_read_cost` for any chunk shape (exact: chunks counted as grid rects)."""
-    grid = _grid(shape, chunk_shape)
-    per_shard = [s // c for s, c in zip(shard_shape, chunk_shape, strict=True)]
     calls: list[list[Rect]] = []
     for start, stop in ranges:
         rects = [box_rect(box, chunk_shape) for box in flat_range_to_boxes(shape, start, stop)]
@@ -214,7 +218,23 @@ def _box_read_cost(
             calls[0] += rects
         elif rects:
             calls.append(rects)
-    covers = [union_cover(rects) for rects in calls]
+    return chunk_rects_read_cost(shape, chunk_shape, shard_shape, itemsize, calls)
+
+
+def chunk_rects_read_cost(
+    shape: Sequence[int],
+    chunk_shape: Sequence[int],
+    shard_shape: Sequence[int],
+    itemsize: int,
+    calls: Sequence[Sequence[Rect]],
+) -> ReadCost:
+    """What reads of whole chunks fetch, each read (an item of ``calls``) given as rects of
+    the chunk grid (per dimension ``(lo, hi)`` of chunk coordinates): every chunk and shard
+    index once, and per read and shard one request per run of its chunks stored back to back
+    (zarr's Morton order in the shard)."""
+    grid = _grid(shape, chunk_shape)
+    per_shard = [s // c for s, c in zip(shard_shape, chunk_shape, strict=True)]
+    covers = [union_cover(rects) for rects in calls if rects]
     chunks = sum(_area(rect) for rect in union_cover(r for cover in covers for r in cover))
     shards: set[tuple[int, ...]] = set()
     data_requests = 0

@@ -25,12 +25,13 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from math import prod
 
-from ucformat.layout.cells import CellGrid, OutBox, Rect
+from ucformat.layout.cells import CellGrid, Rect
 from ucformat.layout.chunking import ChunkPolicy, choose_chunking
 from ucformat.layout.partition import PartitionedFlatLayout, PerParamLayout
 from ucformat.layout.read_once import (
     SEND,
     BlockPolicy,
+    NeedItems,
     Row,
     ShardNeeds,
     plan_shards,
@@ -213,8 +214,9 @@ class ReadOnceSimulation:
         return sum(rank.bytes_sent for rank in self.ranks)
 
 
-#: A rank's needs: per array id, flat ranges (or boxes of a box-chunked matrix).
-RankNeeds = Mapping[int, Sequence[tuple[int, int]] | Sequence[OutBox]]
+#: A rank's needs: per stored array id, flat ranges and boxes
+#: (:data:`~ucformat.layout.read_once.NeedItems`).
+RankNeeds = Mapping[int, NeedItems]
 
 
 def simulate_read_once(
