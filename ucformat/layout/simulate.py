@@ -38,7 +38,7 @@ from ucformat.layout.read_once import (
     rank_demands,
     reads_cost,
 )
-from ucformat.layout.reads import ReadCost, range_read_cost
+from ucformat.layout.reads import ReadCost, chunk_rects_read_cost, range_read_cost
 
 __all__ = [
     "LoadSimulation",
@@ -46,6 +46,7 @@ __all__ = [
     "RankNeeds",
     "RankTraffic",
     "ReadOnceSimulation",
+    "own_cost",
     "simulate_load",
     "simulate_read_once",
 ]
@@ -232,8 +233,7 @@ def simulate_read_once(
     (:func:`~ucformat.layout.read_once.plan_shards`, the code a home runs), and what each rank
     then reads (:func:`~ucformat.layout.read_once.reads_cost`) and moves.
 
-    Own reads are costed from the same demands: every chunk of a rank's rects and one index
-    per shard it touches; one index request and one range request per shard. ``sample``,
+    Own reads are costed from the same demands (:func:`own_cost`). ``sample``,
     called once every demand is known, names ranks whose inputs as a home and whose rows are
     kept (to plan them again alone).
     """
@@ -250,15 +250,15 @@ def simulate_read_once(
         for home, demand in rank_demands(rank, needs_of(rank), grids, world_size):
             grid = grids[demand.array]
             shard = grid.shard_of(demand.rect[0])[0]
-            i0, i1, j0, j1 = demand.rect
-            traffic.own_bytes += grid.stored_bytes((i1 - i0) * (j1 - j0))
             mine.setdefault((demand.array, shard), (home, []))[1].append(demand.rect)
             traffic.demands += 1
             sim.ranks[home].homed += 1
+        by_array: dict[int, list[Rect]] = {}
         for key, (home, rects) in mine.items():
             per_home[home].setdefault(key, {}).setdefault(tuple(sorted(rects)), []).append(rank)
-        traffic.own_bytes += sum(grids[a].shard_index_bytes() for a, _ in mine)
-        traffic.own_requests += 2 * len(mine)
+            by_array.setdefault(key[0], []).extend(rects)
+        own = own_cost(by_array, grids)
+        traffic.own_bytes, traffic.own_requests = own.total, own.requests
     kept = set(sample(sim)) if sample is not None else set()
     peers_out: list[set[int]] = [set() for _ in range(world_size)]
     peers_in: list[set[int]] = [set() for _ in range(world_size)]
@@ -288,3 +288,22 @@ def simulate_read_once(
     for rank, traffic in enumerate(sim.ranks):
         traffic.fan_out, traffic.fan_in = len(peers_out[rank]), len(peers_in[rank])
     return sim
+
+
+def own_cost(rects: Mapping[int, Sequence[Rect]], grids: Mapping[int, CellGrid]) -> ReadCost:
+    """What a rank's own reads of its cells ``rects`` (per stored array) fetch: every chunk
+    once, every shard index once; the requests of one read of each array's cells (its box
+    chunks' runs stored back to back, its flat ranges per shard). A loader reads each logical
+    array of a stack apart, so its requests can be a few more where a rank needs neighbouring
+    arrays of one stack; bytes are the same."""
+    total = ReadCost(0, 0, 0, 0)
+    for array, cells in rects.items():
+        grid = grids[array]
+        layout = (grid.shape, grid.chunk_shape, grid.shard_shape, grid.itemsize)
+        if grid.box:
+            parts = [part for rect in cells for part in grid.chunk_rects(rect)]
+            total += chunk_rects_read_cost(*layout, [parts])
+        else:
+            runs = [run[:2] for rect in sorted(cells) for run in grid.region_runs(rect, 0)]
+            total += range_read_cost(*layout, runs)
+    return total
