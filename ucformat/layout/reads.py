@@ -20,6 +20,7 @@ shard, one request per run of its chunks stored back to back, exactly as the rea
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -264,7 +265,8 @@ def chunk_rects_read_cost(
 def _shard_runs(
     coords: tuple[int, ...], per_shard: Sequence[int], grid: Sequence[int], cover: list[Rect]
 ) -> int:
-    """Runs of chunks stored back to back among the chunks of ``cover`` in one shard."""
+    """Runs of chunks stored back to back among the chunks of ``cover`` in one shard (in
+    zarr's Morton order of the shard's chunks, skipping those outside the array)."""
     region = tuple(
         (c * per, min((c + 1) * per, extent))
         for c, per, extent in zip(coords, per_shard, grid, strict=True)
@@ -272,19 +274,28 @@ def _shard_runs(
     parts = [part for rect in cover if (part := _clip(rect, region)) is not None]
     if sum(_area(part) for part in parts) == _area(region):
         return 1  # every chunk present in the shard: stored back to back
-    wanted = {
-        tuple(c - lo for c, (lo, _) in zip(cell, region, strict=True))
+    index = _morton_index(tuple(per_shard))
+    wanted = sorted(
+        index[tuple(c - lo for c, (lo, _) in zip(cell, region, strict=True))]
         for part in parts
         for cell in itertools.product(*(range(lo, hi) for lo, hi in part))
-    }
-    present = [
-        local
-        for local in morton_order(per_shard)
-        if all(lo + c < hi for c, (lo, hi) in zip(local, region, strict=True))
-    ]
-    runs, previous = 0, False
-    for local in present:
-        hit = local in wanted
-        runs += hit and not previous
-        previous = hit
-    return runs
+    )
+    present = _present_before(tuple(per_shard), tuple(hi - lo for lo, hi in region))
+    # a new run starts where a present chunk lies between two wanted ones
+    return sum(1 for a, b in itertools.pairwise(wanted) if present[b] - present[a + 1]) + 1
+
+
+@functools.lru_cache(maxsize=64)
+def _morton_index(per_shard: tuple[int, ...]) -> dict[tuple[int, ...], int]:
+    """Each chunk of a shard of ``per_shard`` chunks by its place in zarr's Morton order."""
+    return {local: place for place, local in enumerate(morton_order(per_shard))}
+
+
+@functools.lru_cache(maxsize=256)
+def _present_before(per_shard: tuple[int, ...], extent: tuple[int, ...]) -> list[int]:
+    """``[i]``: how many of the first ``i`` chunks in Morton order lie inside a shard clipped
+    to ``extent`` chunks per dimension (the stored ones)."""
+    counts = [0]
+    for local in morton_order(per_shard):
+        counts.append(counts[-1] + all(c < e for c, e in zip(local, extent, strict=True)))
+    return counts
