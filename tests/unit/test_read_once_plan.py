@@ -19,7 +19,6 @@ import pytest
 
 from ucformat.layout.cells import CellGrid, OutBox, cell_grid
 from ucformat.layout.chunking import ChunkPolicy, choose_chunking
-from ucformat.layout.reads import chunk_rects_read_cost, range_read_cost
 from ucformat.layout.read_once import (
     READ,
     RECV,
@@ -31,6 +30,7 @@ from ucformat.layout.read_once import (
     rank_demands,
     schedule,
 )
+from ucformat.layout.reads import chunk_rects_read_cost, range_read_cost
 
 SHAPES = [(), (1,), (7,), (100,), (10, 4), (33, 20), (3, 5, 7), (64, 48), (40, 100), (96, 64)]
 POLICIES = [
