@@ -82,7 +82,7 @@ def plan_reads(
     budget: int = DEFAULT_BUDGET,
     policy: BlockPolicy | None = None,
 ) -> SharedPlan | None:
-    """The job's read plan for these ``needs`` (per array path, the flat ranges this rank
+    """The job's read plan for these ``needs`` (per stored array path, the flat ranges this rank
     reads): ``plan.stats.mode`` is ``"once"``, or ``"own"`` where ``"auto"`` found little
     shared. None (no collective) for ``read="own"`` or a group of one; collective otherwise."""
     if check_mode(read) == "own" or not group.distributed:
