@@ -32,10 +32,12 @@ that hold them, as the loaders hand them over (:meth:`ucformat.read.batch.ReadBa
 Then the job's read-once planning runs as the ranks would run it
 (:func:`ucformat.layout.simulate.simulate_read_once`: each rank's demands to their homes, each
 home's plan, each rank's reads and moves), and a sample of ranks (the first and last, the rank
-that is home to most demands, the rank with most rows) is planned again alone: its needs by
-the loaders' own path (per-row runs merged into boxes, as ``ucformat.torch.load`` and
-``ucformat.deepspeed.load`` hand them over), its demands, its homes' plan from the demands the
-others send it, and its rounds; timed, then again under ``tracemalloc`` for the peak.
+that is home to most demands, the rank with most rows) plans again as in a real load: its needs
+by the loaders' own path (flat runs, one per row of a column block, as ``ucformat.torch.load``
+and ``ucformat.deepspeed.load`` hand them over), then :func:`ucformat.read.once.plan_shared`
+itself, the network's answers replayed (:class:`ReplayTransport`: the demands the others send
+it, every home's rows for it); timed, then again under ``tracemalloc`` for the peak (plus the
+bytes it receives).
 """
 
 from __future__ import annotations
@@ -51,23 +53,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 import ucformat
 from ucformat.format.stacks import placement
 from ucformat.layout.cells import OutBox
 from ucformat.layout.experts import ExpertRanks
 from ucformat.layout.partition import Fragment, PartitionedFlatLayout, PerParamLayout
 from ucformat.layout.placements import Placement, local_intervals, local_runs
-from ucformat.layout.read_once import (
-    RECV,
-    SEND,
-    pair_cap,
-    plan_shards,
-    rank_demands,
-    schedule,
-)
 from ucformat.layout.simulate import ReadOnceSimulation, simulate_read_once
 from ucformat.read.batch import grid_of
-from ucformat.read.once import DEFAULT_BUDGET, stored_arrays
+from ucformat.read.once import plan_shared, stored_arrays
 
 KIB, MIB, GIB = 1024, 1024 * 1024, 1024**3
 STATES = ("fp32", "exp_avg", "exp_avg_sq")
@@ -486,30 +482,62 @@ def _sample_ranks(sim: ReadOnceSimulation) -> list[int]:
     return sorted({0, sim.world_size - 1, homed, busiest})
 
 
-def _plan_rank(rank: int, layout: Layout, ckpt: Any, sim: ReadOnceSimulation) -> int:
-    """What one rank plans alone (:func:`ucformat.read.once.plan_shared` without its
-    collectives): the store's stored arrays and their grids, its needs as its loader hands them
-    over, its demands, its homes' plan from the demands the others send it, its rounds (module
-    docstring); the rows it plans with."""
-    world = layout.world_size
-    stored = stored_arrays(ckpt.manifest)
-    grids = {number: grid_of(array) for number, array in enumerate(stored.values())}
-    demands = rank_demands(rank, layout.loader_needs(rank), grids, world)
-    plan = plan_shards(sim.homed[rank], grids, home=rank)
-    rows = sim.rows.get(rank, [])
-    out: dict[int, list[Any]] = {}
-    into: dict[int, list[Any]] = {}
-    for row in rows:
-        if row.kind == SEND and row.peer != rank:
-            out.setdefault(row.peer, []).append((row.array, row.rect))
-        elif row.kind == RECV:
-            into.setdefault(row.peer, []).append((row.array, row.rect))
-    fans = sim.ranks
-    for peer, atoms in out.items():
-        schedule(atoms, grids, pair_cap(DEFAULT_BUDGET, fans[rank].fan_out, fans[peer].fan_in))
-    for peer, atoms in into.items():
-        schedule(atoms, grids, pair_cap(DEFAULT_BUDGET, fans[peer].fan_out, fans[rank].fan_in))
-    return len(demands) + sum(len(r) for r in plan.rows.values()) + len(rows)
+def _blob(rows: Sequence[Sequence[int]], width: int) -> np.ndarray:
+    return np.asarray(rows, dtype=np.int64).reshape(-1, width).view(np.uint8).reshape(-1)
+
+
+class ReplayTransport:
+    """A :class:`~ucformat.read.once.Transport` for one rank of a simulated job: it answers
+    :func:`~ucformat.read.once.plan_shared`'s collectives with what the job's other ranks would
+    send this rank (their demands to its shards, every home's rows for it, every rank's
+    numbers of peers), so that the rank plans exactly as in a real load, without a network."""
+
+    def __init__(self, rank: int, sim: ReadOnceSimulation) -> None:
+        self.rank, self.world_size = rank, sim.world_size
+        demands: list[list[list[int]]] = [[] for _ in range(sim.world_size)]
+        for (array, _), classes in sim.homed[rank].items():
+            for rects, ranks in classes.items():
+                for sender in ranks:
+                    demands[sender].extend([array, *rect] for rect in rects)
+        rows = [[r.kind, r.array, *r.rect, r.peer, r.block] for r in sim.rows.get(rank, [])]
+        empty = np.empty(0, np.uint8)
+        self.answers = [
+            [_blob(d, 5) for d in demands],
+            [_blob(rows, 8)] + [empty] * (sim.world_size - 1),
+        ]
+        self.peers = [[t.fan_out, t.fan_in, 0, 0] for t in sim.ranks]
+
+    @property
+    def received_bytes(self) -> int:
+        """Bytes of every blob this rank receives."""
+        return sum(int(blob.nbytes) for answer in self.answers for blob in answer)
+
+    def blobs(self, out: list[np.ndarray]) -> list[np.ndarray]:
+        return self.answers.pop(0)
+
+    def sized(self, out: list[np.ndarray], receive: list[int]) -> list[np.ndarray]:
+        raise AssertionError("planning moves no data")
+
+    def gather(self, values: list[int]) -> list[list[int]]:
+        if len(values) == 4:
+            return self.peers
+        return [list(values)] * self.world_size
+
+
+def _plan_rank(rank: int, layout: Layout, ckpt: Any, transport: ReplayTransport) -> int:
+    """What one rank plans (module docstring): its needs as its loader hands them over, then
+    :func:`ucformat.read.once.plan_shared` as a real load runs it (the store's stored arrays
+    and grids, its demands, its homes' plan from the demands the others send it, its rows,
+    its rounds); the network's answers replayed. Returns the rows it plans with."""
+    paths = list(stored_arrays(ckpt.manifest))
+    needs: dict[str, list[tuple[int, int]]] = {}
+    for array, items in layout.loader_needs(rank).items():
+        ranges = needs.setdefault(paths[array], [])
+        for item in items:
+            assert not isinstance(item, OutBox)  # loaders hand over flat runs
+            ranges.append(item)
+    plan = plan_shared(ckpt, needs, transport, mode="once")
+    return len(plan.rows) + sum(map(len, plan.outgoing.values()))
 
 
 def run_config(
@@ -540,13 +568,15 @@ def run_config(
     result.needed = sum(4 * p.numel for p in params) * len(layout.states)
     for rank in sorted(sim.homed):
         _clear_caches()
+        transport = ReplayTransport(rank, sim)
         started = time.perf_counter()
-        rows = _plan_rank(rank, layout, ckpt, sim)
+        rows = _plan_rank(rank, layout, ckpt, transport)
         seconds = time.perf_counter() - started
         _clear_caches()
+        transport = ReplayTransport(rank, sim)
         tracemalloc.start()
-        _plan_rank(rank, layout, ckpt, sim)
-        peak = tracemalloc.get_traced_memory()[1] / MIB
+        _plan_rank(rank, layout, ckpt, transport)
+        peak = (tracemalloc.get_traced_memory()[1] + transport.received_bytes) / MIB
         tracemalloc.stop()
         traffic = sim.ranks[rank]
         result.samples.append({"rank": rank, "seconds": round(seconds, 3),
