@@ -205,12 +205,7 @@ class CellGrid:
         """First element of flat-grid cell ``row`` (``numel`` past the last)."""
         if row >= self.rows:
             return self.numel
-        coords: list[int] = []
-        rest = row
-        for extent in reversed(self._chunk_grid):
-            coords.append(rest % extent)
-            rest //= extent
-        coords.reverse()
+        coords = _unravel(row, self._chunk_grid)
         index = 0
         for dim, coord, size in zip(self.shape, coords, self.chunk_shape, strict=True):
             index = index * dim + coord * size
@@ -218,12 +213,7 @@ class CellGrid:
 
     def _flat_cell(self, element: int) -> int:
         """The flat-grid cell holding ``element``."""
-        coords: list[int] = []
-        rest = element
-        for dim in reversed(self.shape):
-            coords.append(rest % dim)
-            rest //= dim
-        coords.reverse()
+        coords = _unravel(element, self.shape)
         cell = 0
         for coord, size, extent in zip(coords, self.chunk_shape, self._chunk_grid, strict=True):
             cell = cell * extent + coord // size
@@ -419,6 +409,16 @@ class NeedList:
         first = bisect.bisect_right(self.reach, low)
         last = bisect.bisect_left(self.starts, high)
         return range(first, last)
+
+
+def _unravel(index: int, extents: Sequence[int]) -> list[int]:
+    """The coordinates of flat ``index`` in a row-major grid of ``extents``."""
+    coords: list[int] = []
+    for extent in reversed(extents):
+        coords.append(index % extent)
+        index //= extent
+    coords.reverse()
+    return coords
 
 
 def _reach(stops: Iterable[int]) -> list[int]:
