@@ -44,6 +44,7 @@ import itertools
 import zlib
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from ucformat.layout.cells import CellGrid, OutBox, Rect
 from ucformat.layout.reads import ReadCost, chunk_rects_read_cost, range_read_cost
@@ -67,10 +68,12 @@ __all__ = [
     "rank_demands",
     "reads_cost",
     "schedule",
+    "shard_needs",
 ]
 
 #: Row kinds of a reply.
 READ, SEND, RECV = 0, 1, 2
+_new = tuple.__new__
 
 
 @dataclass(frozen=True)
@@ -82,9 +85,8 @@ class Demand:
     rect: Rect
 
 
-@dataclass(frozen=True)
-class Row:
-    """One line of a rank's part of the plan.
+class Row(NamedTuple):
+    """One line of a rank's part of the plan (a tuple of eight integers: what travels).
 
     ``READ``: fetch ``rect`` of ``array`` from storage (``block`` groups the rects read
     together: one read of a block's atoms); ``SEND``: give ``rect`` to ``peer`` (this rank
@@ -93,9 +95,17 @@ class Row:
 
     kind: int
     array: int
-    rect: Rect
+    i0: int
+    i1: int
+    j0: int
+    j1: int
     peer: int
     block: int = 0
+
+    @property
+    def rect(self) -> Rect:
+        """The cells ``(i0, i1, j0, j1)``."""
+        return self.i0, self.i1, self.j0, self.j1
 
 
 @dataclass(frozen=True)
@@ -240,15 +250,23 @@ def plan_home(
     Deterministic: the same demands, in any order, give the same plan. Block numbers are
     ``home << 32 | n``: unique across homes.
     """
+    needs = shard_needs(((d.rank, d.array, d.rect) for d in demands), grids)
+    return plan_shards(needs, grids, policy, home=home)
+
+
+def shard_needs(
+    demands: Iterable[tuple[int, int, Rect]], grids: Mapping[int, CellGrid]
+) -> dict[tuple[int, int], dict[tuple[Rect, ...], list[int]]]:
+    """Demands ``(rank, array, rect)`` as a home plans them: per shard, the ranks by the rects
+    they need of it (:data:`ShardNeeds`)."""
     by_rank: dict[tuple[int, int], dict[int, list[Rect]]] = {}
-    for demand in demands:
-        shard = grids[demand.array].shard_of(demand.rect[0])[0]
-        by_rank.setdefault((demand.array, shard), {}).setdefault(demand.rank, []).append(
-            demand.rect
-        )
-    return plan_shards(
-        {key: group_ranks(ranks) for key, ranks in by_rank.items()}, grids, policy, home=home
-    )
+    shards: dict[tuple[int, int], int] = {}  # (array, cell row) -> its shard's first row
+    for rank, array, rect in demands:
+        shard = shards.get((array, rect[0]))
+        if shard is None:
+            shard = shards[array, rect[0]] = grids[array].shard_of(rect[0])[0]
+        by_rank.setdefault((array, shard), {}).setdefault(rank, []).append(rect)
+    return {key: group_ranks(ranks) for key, ranks in by_rank.items()}
 
 
 def group_ranks(ranks: Mapping[int, Iterable[Rect]]) -> dict[tuple[Rect, ...], list[int]]:
@@ -322,16 +340,19 @@ def _plan_shard(
         reader = _reader(f"{array}/{shard[0]}/{plan.blocks}", need, members, load)
         tag = plan.blocks
         plan.blocks += 1
+        mine = plan.rows.setdefault(reader, [])
         for rect, who in block:
             nbytes = grid.nbytes(rect)
             load[reader] = load.get(reader, 0) + nbytes
             plan.read_bytes += grid.stored_bytes((rect[1] - rect[0]) * (rect[3] - rect[2]))
-            plan.rows.setdefault(reader, []).append(Row(READ, array, rect, reader, tag))
+            mine.append(Row(READ, array, *rect, reader, tag))
+            receive = Row(RECV, array, *rect, reader)
+            i0, i1, j0, j1 = rect
             for number in who:
-                for rank in members[number]:
-                    plan.rows.setdefault(reader, []).append(Row(SEND, array, rect, rank, tag))
+                for rank in members[number]:  # (a Row made as a tuple: many per hot shard)
+                    mine.append(_new(Row, (SEND, array, i0, i1, j0, j1, rank, tag)))
                     if rank != reader:
-                        plan.rows.setdefault(rank, []).append(Row(RECV, array, rect, reader))
+                        plan.rows.setdefault(rank, []).append(receive)
 
 
 def _reader(

@@ -32,6 +32,7 @@ into device buffers: docs/design.md, "Collectives and threads").
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -50,13 +51,13 @@ from ucformat.layout.read_once import (
     RECV,
     SEND,
     BlockPolicy,
-    Demand,
     Piece,
     Row,
     pair_cap,
-    plan_home,
+    plan_shards,
     rank_demands,
     schedule,
+    shard_needs,
 )
 from ucformat.read.batch import Placement, ReadBatch, grid_of
 from ucformat.read.checkpoint import UniversalCheckpoint
@@ -171,7 +172,8 @@ _DEMAND_WIDTH, _ROW_WIDTH = 5, 8
 
 
 def _encode(rows: Sequence[Sequence[int]], width: int) -> np.ndarray:
-    return np.asarray(rows, dtype=np.int64).reshape(-1, width).view(np.uint8).reshape(-1)
+    flat = np.fromiter(itertools.chain.from_iterable(rows), np.int64, len(rows) * width)
+    return flat.view(np.uint8)
 
 
 def _decode(blob: np.ndarray, width: int) -> np.ndarray:
@@ -209,33 +211,23 @@ def plan_shared(
     for number in list(numbered):
         if not grid(number).plannable:  # read by the rank itself (execute_shared)
             del numbered[number]
-    outboxes: list[list[list[int]]] = [[] for _ in range(world)]
+    outboxes: list[list[tuple[int, ...]]] = [[] for _ in range(world)]
     for home_rank, demand in rank_demands(me, numbered, grids, world):
-        outboxes[home_rank].append([demand.array, *demand.rect])
+        outboxes[home_rank].append((demand.array, *demand.rect))
     received = transport.blobs([_encode(rows, _DEMAND_WIDTH) for rows in outboxes])
     demands = [
-        Demand(sender, int(row[0]), (int(row[1]), int(row[2]), int(row[3]), int(row[4])))
+        (sender, array, (i0, i1, j0, j1))
         for sender, blob in enumerate(received)
-        for row in _decode(blob, _DEMAND_WIDTH)
+        for array, i0, i1, j0, j1 in _decode(blob, _DEMAND_WIDTH).tolist()
     ]
-    for demand in demands:
-        grid(demand.array)
-    home = plan_home(demands, grids, policy, home=me)  # this rank's shards
-    replies = transport.blobs(
-        [
-            _encode([[r.kind, r.array, *r.rect, r.peer, r.block] for r in home.rows.get(d, [])],
-                    _ROW_WIDTH)
-            for d in range(world)
-        ]
-    )  # fmt: skip
-    rows = [
-        Row(int(r[0]), int(r[1]), (int(r[2]), int(r[3]), int(r[4]), int(r[5])), int(r[6]),
-            int(r[7]))
-        for blob in replies
-        for r in _decode(blob, _ROW_WIDTH)
-    ]  # fmt: skip
-    for row in rows:
-        grid(row.array)
+    for array in {array for _, array, _ in demands}:
+        grid(array)
+    home = plan_shards(shard_needs(demands, grids), grids, policy, home=me)  # this rank's shards
+    del demands
+    replies = transport.blobs([_encode(home.rows.get(d, []), _ROW_WIDTH) for d in range(world)])
+    rows = [Row(*r) for blob in replies for r in _decode(blob, _ROW_WIDTH).tolist()]
+    for array in {row.array for row in rows}:
+        grid(array)
     receivers = {r.peer for r in rows if r.kind == SEND and r.peer != me}
     senders = {r.peer for r in rows if r.kind == RECV}
     everyone = transport.gather([len(receivers), len(senders), home.union_bytes,
