@@ -246,31 +246,33 @@ class CellGrid:
         """Flat runs of a box-grid matrix as boxes, consecutive rows of one column block
         merged (a ``Shard(1)`` local shard, one run per row, is one box)."""
         cols = self.shape[-1]
-        boxes: list[OutBox] = []
+        boxes: list[list[int]] = []  # [y0, y1, x0, x1, at, stride]: OutBox's fields
         for start, stop, at in runs:
             while start < stop:
                 y, x = divmod(start, cols)
                 if x == 0 and stop - start >= cols:  # whole rows
                     count = (stop - start) // cols
-                    piece = OutBox(y, y + count, 0, cols, at, cols)
+                    piece = [y, y + count, 0, cols, at, cols]
                     length = count * cols
                 else:
                     end = min(stop, (y + 1) * cols)
-                    piece = OutBox(y, y + 1, x, end - y * cols, at, end - start)
                     length = end - start
+                    piece = [y, y + 1, x, x + length, at, length]
                 last = boxes[-1] if boxes else None
                 if (
                     last is not None
-                    and (last.x0, last.x1, last.y1) == (piece.x0, piece.x1, piece.y0)
-                    and last.stride == last.x1 - last.x0 == piece.stride
-                    and piece.at == last.at + (last.y1 - last.y0) * last.stride
+                    and last[2] == piece[2]
+                    and last[3] == piece[3]
+                    and last[1] == piece[0]
+                    and last[5] == last[3] - last[2] == piece[5]
+                    and piece[4] == last[4] + (last[1] - last[0]) * last[5]
                 ):
-                    boxes[-1] = OutBox(last.y0, piece.y1, last.x0, last.x1, last.at, last.stride)
+                    last[1] = piece[1]  # the next rows of the same column block
                 else:
                     boxes.append(piece)
                 start += length
                 at += length
-        return boxes
+        return [OutBox(*box) for box in boxes]
 
     def need_rects(self, needs: Needs) -> list[Rect]:
         """The cells holding any element of ``needs`` (runs for a flat grid, boxes for a box
