@@ -33,7 +33,7 @@ into device buffers: docs/design.md, "Collectives and threads").
 from __future__ import annotations
 
 import itertools
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -43,7 +43,7 @@ import torch
 from ucformat.collective import Group, exchange_blobs, exchange_bytes, gather_ints
 from ucformat.errors import CoverageError, UCFormatError
 from ucformat.format.dtypes import numpy_storage_dtype
-from ucformat.format.models import CheckpointManifest
+from ucformat.format.models import ArrayRef, CheckpointManifest
 from ucformat.format.stacks import StoredArray, stored_array
 from ucformat.layout.cells import CellGrid, Rect
 from ucformat.layout.read_once import (
@@ -164,8 +164,22 @@ class SharedPlan:
 def stored_arrays(manifest: CheckpointManifest) -> dict[str, StoredArray]:
     """Every stored array of the store by path (the ids of the plan's rows: positions in
     sorted order): a format-3.1 store's stacks, an older store's arrays."""
-    found = {ref.path: ref for _, ref in manifest.arrays()}
+    found: dict[str, ArrayRef] = {}
+    for ref in _refs(manifest):
+        found.setdefault(ref.path, ref)
     return {path: stored_array(found[path]) for path in sorted(found)}
+
+
+def _refs(manifest: CheckpointManifest) -> Iterator[ArrayRef]:
+    """Every logical array's ref, as :meth:`CheckpointManifest.arrays` lists them but without
+    their names (building 136k names takes a DeepSeek-V3 store's ranks a second)."""
+    for entry in manifest.params.values():
+        yield from entry.states.values()
+        yield from entry.whole_states.values()
+    for buffer in manifest.buffers.values():
+        yield buffer.array
+    for group in manifest.optimizer.groups if manifest.optimizer is not None else []:
+        yield from (state.array for state in group.partition_states.values())
 
 
 _DEMAND_WIDTH, _ROW_WIDTH = 5, 8
