@@ -607,7 +607,7 @@ def _clear_caches() -> None:
 
 def markdown(results: Sequence[Result]) -> str:
     """The results as the table in docs/benchmarks.md."""
-    head = ["config", "W", "arrays (stored)", "manifest", "open s",
+    head = ["config", "W", "arrays (stored)", "manifest", "open s / MiB",
             "plan s / MiB (max of sample)",
             "storage / needed (own)", "requests (own)", "read per rank max / mean",
             "exchanged"]  # fmt: skip
@@ -621,7 +621,7 @@ def markdown(results: Sequence[Result]) -> str:
         cells = [
             r.config, f"{r.world_size:,}", f"{r.arrays:,} ({r.stored_arrays:,})",
             f"{r.manifest_bytes / MIB:.1f} MiB",
-            f"{r.open_s:.2f}", f"{plan_s:.2f} / {plan_mib:.0f}",
+            f"{r.open_s:.2f} / {r.open_mib:.0f}", f"{plan_s:.2f} / {plan_mib:.0f}",
             f"{sim.storage_bytes / r.needed:.4f} ({sim.own_bytes / r.needed:.3f})",
             f"{sim.storage_requests:,} ({sim.own_requests:,})",
             f"{max(reads) / MIB:,.0f} / {statistics.mean(reads) / MIB:,.0f} MiB",
