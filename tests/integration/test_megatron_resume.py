@@ -132,7 +132,8 @@ def test_the_distributed_optimizer_reads_each_dp_ranks_shard(
     runs: dict[str, dict[str, Run]],
 ) -> None:
     """TP=1 x DP=2: each rank needs the whole model and its half of the optimizer state; the two
-    ranks' optimizer ranges tile every parameter exactly once."""
+    ranks' optimizer ranges tile every parameter exactly once (reading its own boxes, each rank
+    fetches at least what it needs; reading once, the job does)."""
     import ucformat
     from ucformat.format.spec import FP32_STATE
 
@@ -142,11 +143,14 @@ def test_the_distributed_optimizer_reads_each_dp_ranks_shard(
     optimizer = sum(
         ref.nbytes for e in manifest.params.values() for s, ref in e.states.items()
     )  # the fp32 master, exp_avg, exp_avg_sq
-    reports = runs["tp2dp2>dp2"]["ucformat"].reports
-    assert sum(r["bytes_needed"] for r in reports) == 2 * model + optimizer
-    for report in reports:
-        assert model < report["bytes_needed"] < model + optimizer
-        assert report["bytes_read"] >= report["bytes_needed"]
+    for name in ("tp2dp2>dp2-own", "tp2dp2>dp2"):
+        reports = runs[name]["ucformat"].reports
+        assert sum(r["bytes_needed"] for r in reports) == 2 * model + optimizer
+        for report in reports:
+            assert model < report["bytes_needed"] < model + optimizer
+            if report["read_mode"] == "own":
+                assert report["bytes_read"] >= report["bytes_needed"]
+        assert reports[0]["job_bytes_read"] >= optimizer  # every array, whole
 
 
 def test_read_once_equals_own_reads(runs: dict[str, dict[str, Run]]) -> None:
