@@ -184,7 +184,7 @@ def load(
         failure: BaseException | None = None
         try:
             layout = _layout(ckpt, view, state_keys)
-            needs = _needs(ckpt, view, layout, state_keys, frozen, buffers)
+            needs = _needs(ckpt, view, layout, frozen, buffers)
         except (UCFormatError, OSError) as exc:
             failure = exc
         settle(failure, ranks, ckpt.where, undone=NOTHING_LOADED)
@@ -195,9 +195,7 @@ def load(
         batch = ReadBatch()
         staged = None
         try:
-            staged = _batch_everything(
-                ckpt, view, layout, state_keys, frozen, buffers, batch, tally
-            )
+            staged = _batch_everything(ckpt, view, layout, frozen, buffers, batch, tally)
         except (UCFormatError, OSError, ValueError) as exc:  # still read and send for the others
             failure, batch = exc, ReadBatch()
         outcome = read_planned(ckpt, plan, batch, ranks)
@@ -404,7 +402,6 @@ def _needs(
     ckpt: UniversalCheckpoint,
     view: EngineView,
     layout: _Layout,
-    state_keys: list[str],
     frozen: dict[str, torch.nn.Parameter],
     buffers: dict[str, torch.Tensor],
 ) -> dict[str, list[tuple[int, int]]]:
@@ -456,7 +453,6 @@ def _batch_everything(
     ckpt: UniversalCheckpoint,
     view: EngineView,
     layout: _Layout,
-    state_keys: list[str],
     frozen: dict[str, torch.nn.Parameter],
     buffers: dict[str, torch.Tensor],
     batch: ReadBatch,
