@@ -272,3 +272,13 @@ def test_boxes_and_runs_need_the_same_cells() -> None:
     boxes = grid.out_boxes(runs)
     assert boxes == [OutBox(5, 40, 12, 30, 0, 18)]
     assert grid.need_rects(boxes) == [(0, 2, 2, 5), (2, 4, 2, 5), (4, 5, 2, 5)]
+
+
+def test_which_grids_the_plan_describes() -> None:
+    """Flat chunks, box-chunked matrices and stacks of them are planned; box chunks of a deeper
+    shape (no writer of ucformat makes them) are left to each rank's own reads."""
+    assert cell_grid((3, 10, 12), (1, 4, 5), (1, 8, 12), 4).plannable  # a stack of matrices
+    assert cell_grid((10, 12), (4, 5), (8, 12), 4).plannable
+    assert cell_grid((4, 6, 8), (1, 1, 8), (2, 6, 8), 4).plannable  # flat
+    assert not cell_grid((4, 6, 8), (2, 3, 4), (2, 6, 8), 4).plannable
+    assert not cell_grid((10, 12), (4, 5), (8, 5), 4).plannable  # shards split the columns
