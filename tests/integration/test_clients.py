@@ -204,11 +204,14 @@ def test_hugging_face_weights_load_into_sharded_models_as_from_pretrained_does(
     work: dict[str, Any], layout: str, world_size: int, dtype: str, which: str
 ) -> None:
     """Every gathered weight and the logits of a fixed batch bit-equal to ``from_pretrained``
-    sharded the same way; every rank fetched at most 1.2x the bytes it needed."""
+    sharded the same way. Bytes fetched from storage: where the load read once (the default
+    when ranks share chunks), at most 1.02x the chunks some rank needed, job-wide; where each
+    rank read its own, at most 1.2x what that rank needed."""
     result = work["results"][f"pretrained-{layout}-ws{world_size}-{dtype}"]
     assert result["failures"] == []
     assert len(result["amplification"]) == world_size
-    assert all(1.0 <= a <= 1.2 for a in result["amplification"]), result["amplification"]
+    for mode, amplification in zip(result["modes"], result["amplification"], strict=True):
+        assert 1.0 <= amplification <= (1.02 if mode == "once" else 1.2), result
 
 
 def test_unknown_dcp_layout_names_keys_and_the_layouts_it_resembles(tmp_path: Path) -> None:

@@ -6,7 +6,10 @@ reach the torchrun ranks through the environment, as botocore settings. Each loa
 the engine bit for bit (the same checks as a load from a local store: tests/fixtures/
 _ds_load_worker.py), each rank's bytes and requests must equal what the read-cost model plans
 for its ranges, and the server must have seen exactly those requests from that rank (the
-ranks tag their requests through botocore's ``AWS_SDK_UA_APP_ID``).
+ranks tag their requests through botocore's ``AWS_SDK_UA_APP_ID``). Where each rank read its own,
+each rank fetched at least what it needed; where the load read once (the default
+``read="auto"`` when ranks share chunks), the job fetched at least the chunks some rank needed
+(these chunks are tiny, so the shard indexes weigh; the job-wide bound is test_read_once's).
 """
 
 from __future__ import annotations
@@ -52,6 +55,10 @@ def test_load_from_s3(s3_loads: tuple[dict[str, dict[str, Any]], list[Request]],
             and r.key.startswith(store)
             and f"app/ucf-rank{rank}" in r.user_agent
         ]
-        assert reported > 10, (rank, reported)  # small shards: many objects per rank
+        assert reported > 3, (rank, reported)  # small shards: many objects per rank
         assert len(gets) == reported + 1, (rank, len(gets), reported)  # + the manifest
-        assert result["bytes_read"][rank] >= result["bytes_needed"][rank] > 0
+        if result["read_mode"] == "own":  # each rank fetched at least what it needed
+            assert result["bytes_read"][rank] >= result["bytes_needed"][rank] > 0
+    if result["read_mode"] == "once":  # the job fetched at least each needed chunk
+        assert result["job_bytes_read"] == sum(result["bytes_read"])
+        assert 0 < result["job_chunk_bytes_needed"] <= result["job_bytes_read"], result
