@@ -13,7 +13,7 @@ import rfc8785
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ucformat.format.jcs import CanonicalizationError, canonicalize, format_number
+from ucformat.format.jcs import CanonicalizationError, canonicalize, format_number, parse
 
 GOLDEN = Path(__file__).parent / "golden"
 
@@ -131,6 +131,49 @@ def test_values_match_rfc8785(value: object) -> None:
     got = canonicalize(value)
     assert got == rfc8785.dumps(value)
     assert json.loads(got, parse_int=float) == value  # and it means the same value
+
+
+#: Text where the fast way must give way: floats inside strings, between the delimiters a
+#: number has; 16 digits in a row; characters outside the BMP; escaped surrogates.
+_float_text = st.sampled_from(["1e-05", ":1e-05,", ",1.0]", "[-0.0}", ":1e+21,", "5e-324"])
+_awkward = st.one_of(
+    _json,
+    st.lists(st.one_of(_tricky_floats, _float_text, st.just("\U0001f600"), st.just("\ue000"),
+                       st.just(1234567890123456)), max_size=6),
+    st.dictionaries(st.one_of(_strings, st.sampled_from(["\U0001f600", "\ue000", "1.0"])),
+                    st.one_of(_tricky_floats, _float_text), max_size=6),
+)  # fmt: skip
+
+
+@settings(max_examples=400, deadline=None)
+@given(_awkward, st.booleans(), st.integers(0, 2))
+def test_parsed_values_take_the_fast_way_to_the_same_bytes(
+    value: object, ascii_escapes: bool, indent: int
+) -> None:
+    """JSON text parsed by ``parse``, its census passed on: the bytes of the general code and
+    of rfc8785, however the text was written (escapes, indentation)."""
+    payload = json.dumps(value, ensure_ascii=ascii_escapes, indent=indent or None).encode()
+    parsed, census = parse(payload)
+    assert parsed == json.loads(payload)
+    assert canonicalize(parsed, census) == canonicalize(parsed) == rfc8785.dumps(parsed)
+    body = {"value": parsed, "digest": None}  # a member replaced, as a digest does
+    assert canonicalize(body, census) == canonicalize(body)
+
+
+def test_the_fast_way_rewrites_floats_and_leaves_strings_alone() -> None:
+    payload = b'{"lr": 1e-05, "eps": 1E-8, "name": ":1e-05,", "big": 1e21, "zero": -0.0}'
+    parsed, census = parse(payload)
+    assert census == {"1e-05": 1, "1e-08": 1, "1e+21": 1, "-0.0": 1}
+    assert canonicalize(parsed, census) == (
+        b'{"big":1e+21,"eps":1e-8,"lr":0.00001,"name":":1e-05,","zero":0}'
+    )
+    assert parse(b"[1234567890123456]")[1] is None  # maybe beyond 2**53: the general code
+    assert parse('["\U0001f600"]'.encode())[1] is None
+    assert parse(b'["\\ud83d\\ude00"]')[1] is None
+    with pytest.raises(CanonicalizationError, match="integer"):
+        canonicalize(*parse(b"[12345678901234567890]"))
+    with pytest.raises(CanonicalizationError, match="NaN"):
+        canonicalize(*parse(b"[NaN]"))
 
 
 def test_worked_example_of_the_spec() -> None:

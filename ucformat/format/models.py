@@ -17,6 +17,7 @@ are kept exact with the tagged encoding of :mod:`ucformat.format.pyvalue`; such 
 from __future__ import annotations
 
 import math
+from functools import lru_cache
 from itertools import chain
 from typing import Annotated, Literal
 
@@ -88,6 +89,14 @@ def _refuse(problem: str | None) -> None:
         raise ValueError(problem)
 
 
+@lru_cache(maxsize=4096)
+def _shapes_problem(
+    shape: tuple[int, ...], chunk_shape: tuple[int, ...], shard_shape: tuple[int, ...]
+) -> str | None:
+    """:func:`array_shape_problem`, once per distinct triple (a manifest repeats a few)."""
+    return array_shape_problem(list(shape), list(chunk_shape), list(shard_shape))
+
+
 class StackSlot(ManifestModel):
     """Where a logical array lies in its stack (docs/format.md §2.5): index ``index`` of a zarr
     array of ``size`` logical arrays of the same layout, stacked on a new leading axis whose
@@ -136,7 +145,9 @@ class ArrayRef(ManifestModel):
 
     @model_validator(mode="after")
     def _check_shapes(self) -> ArrayRef:
-        _refuse(array_shape_problem(self.shape, self.chunk_shape, self.shard_shape))
+        _refuse(
+            _shapes_problem(tuple(self.shape), tuple(self.chunk_shape), tuple(self.shard_shape))
+        )
         if self.stack is not None and self.stack.per_shard > 1:
             clipped = [min(s, max(d, 1)) for s, d in zip(self.shard_shape, self.shape, strict=True)]
             if clipped != [max(d, 1) for d in self.shape]:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import re
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -28,11 +27,12 @@ from ucformat.errors import (
     UnsupportedVersionError,
 )
 from ucformat.format.base import IGNORE_UNKNOWN
-from ucformat.format.jcs import canonicalize
+from ucformat.format.jcs import FloatCensus, canonicalize, parse
 from ucformat.format.models import CheckpointManifest
 from ucformat.format.spec import FORMAT_NAME, FORMAT_VERSION, KNOWN_MINOR, MANIFEST_KEY
 from ucformat.store.durable import sync_tree, write_file_atomic
 from ucformat.store.locations import existing_store_directory, local_directory
+from ucformat.sysio.collector import collection_paused
 
 if TYPE_CHECKING:
     from zarr.abc.store import Store
@@ -61,7 +61,6 @@ __all__ = [
 MAX_MANIFEST_BYTES = 64 * 2**20
 #: The deepest JSON nesting a manifest may have (§3.8), checked before it is parsed.
 MAX_JSON_DEPTH = 200
-_JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
 
 #: The root group's metadata object: written first, so its presence marks a started convert.
 ROOT_KEY = "zarr.json"
@@ -72,8 +71,10 @@ def manifest_digest(manifest: CheckpointManifest) -> str:
     return document_digest(manifest.model_dump(mode="json"))
 
 
-def document_digest(document: Mapping[str, Any]) -> str:
-    """The digest of a manifest as stored: its parsed JSON object, ``digest`` cleared (§3.7).
+def document_digest(document: Mapping[str, Any], census: FloatCensus | None = None) -> str:
+    """The digest of a manifest as stored: its parsed JSON object, ``digest`` cleared (§3.7);
+    ``census``: the document's float census where :func:`ucformat.format.jcs.parse` read it
+    (the same digest, faster).
 
     Computed on the stored document, not on a re-serialised model, so members a reader does not
     know (a newer minor version) are digested too, and a reader that knows optional fields with
@@ -93,7 +94,7 @@ def document_digest(document: Mapping[str, Any]) -> str:
                 body, sort_keys=True, separators=(",", ":"), allow_nan=False
             ).encode()
         else:
-            canonical = canonicalize(body)
+            canonical = canonicalize(body, census)
     except ValueError as exc:  # CanonicalizationError is one
         raise ManifestError(
             f"the manifest has no canonical JSON form, so no digest ({exc}); a writer must not "
@@ -250,18 +251,25 @@ def _check_depth(payload: bytes, where: str) -> None:
         return
     import numpy as np
 
-    # Blank out strings (brackets inside them do not nest), then keep a running depth.
-    text = _JSON_STRING.sub(b'""', payload)
+    # Without escaped backslashes, then escaped quotes, every '"' opens or closes a string,
+    # and a bracket nests where an even number of them precede it.
+    text = payload.replace(b"\\\\", b"").replace(b'\\"', b"")
+    kinds = np.zeros(256, dtype=np.int8)  # per byte: 2 a quote, 1 opens, -1 closes, 0 other
+    kinds[ord('"')] = 2
+    kinds[[ord("["), ord("{")]] = 1
+    kinds[[ord("]"), ord("}")]] = -1
     codes = np.frombuffer(text, dtype=np.uint8)
-    depth = level = 0
+    depth = level = quotes = 0
     for start in range(0, codes.size, 1 << 22):  # bounded memory: 4 MiB at a time
-        block = codes[start : start + (1 << 22)]
-        steps = np.zeros(block.shape, dtype=np.int32)
-        steps[(block == ord("[")) | (block == ord("{"))] = 1
-        steps[(block == ord("]")) | (block == ord("}"))] = -1
-        running = np.cumsum(steps, dtype=np.int64) + level
+        block = kinds[codes[start : start + (1 << 22)]]
+        marks = block[np.flatnonzero(block)]  # the quotes and brackets, in order
+        is_quote = marks == 2
+        seen = np.cumsum(is_quote, dtype=np.int64) + quotes
+        steps = np.where(is_quote | (seen % 2 == 1), 0, marks).astype(np.int64)
+        running = np.cumsum(steps) + level
         depth = max(depth, int(running.max(initial=level)))
         level = int(running[-1]) if running.size else level
+        quotes = int(seen[-1]) if seen.size else quotes
     if depth > MAX_JSON_DEPTH:
         raise ManifestError(
             f"{where}/{MANIFEST_KEY}: JSON nested {depth} levels deep, more than the "
@@ -312,8 +320,13 @@ def parse_manifest(payload: bytes, where: str, *, check_digest: bool = True) -> 
     """
     _check_size(len(payload), where)
     _check_depth(payload, where)
+    with collection_paused():  # millions of acyclic objects: no collections while they grow
+        return _parse_checked(payload, where, check_digest)
+
+
+def _parse_checked(payload: bytes, where: str, check_digest: bool) -> CheckpointManifest:
     try:
-        data: Any = json.loads(payload)
+        data, census = parse(payload)
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
         raise ManifestError(
             f"{where}/{MANIFEST_KEY}: not valid JSON ({exc}); the manifest is damaged."
@@ -340,7 +353,7 @@ def parse_manifest(payload: bytes, where: str, *, check_digest: bool = True) -> 
             f"{where}/{MANIFEST_KEY}: carries no digest; ucformat writes one with every manifest, "
             "so it was edited or written by another tool. Re-run the convert."
         )
-    if check_digest and not _digest_matches(data, where):
+    if check_digest and not _digest_matches(data, where, census):
         raise ManifestError(
             f"{where}/{MANIFEST_KEY}: digest mismatch; the manifest was edited after it was "
             "written. Restore it or re-run the convert."
@@ -348,18 +361,21 @@ def parse_manifest(payload: bytes, where: str, *, check_digest: bool = True) -> 
     return manifest
 
 
-def digest_matches(document: Mapping[str, Any]) -> bool:
-    """Whether a parsed manifest's ``digest`` is present and equals :func:`document_digest`.
+def digest_matches(document: Mapping[str, Any], census: FloatCensus | None = None) -> bool:
+    """Whether a parsed manifest's ``digest`` is present and equals :func:`document_digest`
+    (``census`` as there).
 
     Raises:
         ManifestError: the document has no canonical form.
     """
-    return document.get("digest") is not None and document["digest"] == document_digest(document)
+    if document.get("digest") is None:
+        return False
+    return bool(document["digest"] == document_digest(document, census))
 
 
-def _digest_matches(document: Mapping[str, Any], where: str) -> bool:
+def _digest_matches(document: Mapping[str, Any], where: str, census: FloatCensus | None) -> bool:
     try:
-        return digest_matches(document)
+        return digest_matches(document, census)
     except ManifestError as exc:
         raise ManifestError(f"{where}/{MANIFEST_KEY}: {exc}") from None
 

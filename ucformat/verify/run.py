@@ -42,6 +42,8 @@ from ucformat.errors import (
     UnsupportedVersionError,
 )
 from ucformat.format.dtypes import numpy_storage_dtype
+from ucformat.format.jcs import FloatCensus
+from ucformat.format.jcs import parse as parse_json
 from ucformat.format.models import CheckpointManifest
 from ucformat.format.spec import FORMAT_NAME, MANIFEST_KEY
 from ucformat.format.stacks import StoredArray, stored_array
@@ -203,7 +205,7 @@ def verify(
     except ManifestError as exc:
         report.add("manifest", MANIFEST_KEY, exc.message.removeprefix(f"{where}/{MANIFEST_KEY}: "))
         return report
-    arrays = _check_manifest(manifest, json.loads(payload), report)
+    arrays = _check_manifest(manifest, *parse_json(payload), report)
     if report.problems and not keep_going:
         report.add(
             "manifest",
@@ -275,12 +277,15 @@ def _foreign_source(
 
 
 def _check_manifest(
-    manifest: CheckpointManifest, document: dict[str, Any], report: VerifyReport
+    manifest: CheckpointManifest,
+    document: dict[str, Any],
+    census: FloatCensus | None,
+    report: VerifyReport,
 ) -> list[ManifestArray]:
     """Check the digest and every array reference; return the arrays fit to be checked."""
     if manifest.digest is None:
         report.add("manifest", MANIFEST_KEY, "carries no digest, so edits cannot be detected")
-    elif not digest_matches(document):
+    elif not digest_matches(document, census):
         report.add("manifest", MANIFEST_KEY, "digest mismatch: edited after it was written")
     arrays, seen = [], set[str]()
     flat_only = int(manifest.format_version.partition(".")[0]) < 3
