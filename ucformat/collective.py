@@ -54,6 +54,7 @@ __all__ = [
     "gather_ints",
     "group",
     "settle",
+    "share_read",
     "timeout",
 ]
 
@@ -341,6 +342,50 @@ def _broken(group: Group, what: str, exc: BaseException, undone: str) -> Collect
         rank=group.rank,
         error_type=type(exc).__name__,
     )
+
+
+def share_read(
+    read: Callable[[], bytes], group: Group, what: str, *, undone: str = NOTHING_LOADED
+) -> bytes | None:
+    """``read()`` (of ``what``, named in errors) on the group's first rank only, its bytes sent
+    to every rank (two broadcasts
+    on the private gloo group: the size, then the bytes), so storage serves them once.
+
+    Returns:
+        The bytes on every rank, or None on every rank but the first where ``read`` raised
+        there (the first rank raises that error, once the others know): each then reads for
+        itself, and meets the error its own way.
+
+    Raises:
+        CollectiveError: a broadcast broke (a rank died or did not answer in time).
+    """
+    if not group.distributed:
+        return read()
+    data, failure = b"", None
+    if group.rank == 0:
+        try:
+            data = read()
+        except Exception as exc:  # raised below, after the others know
+            failure = exc
+    size = torch.tensor([-1 if failure is not None else len(data)], dtype=torch.int64)
+    try:
+        dist.broadcast(size, group=group.handle, group_src=0)
+    except RuntimeError as exc:
+        raise _broken(group, f"a broadcast of {what}", exc, undone) from exc
+    if failure is not None:
+        raise failure
+    if int(size) < 0:
+        return None
+    if group.rank == 0:
+        buffer = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    else:
+        buffer = torch.empty(int(size), dtype=torch.uint8)
+    try:
+        if buffer.numel():
+            dist.broadcast(buffer, group=group.handle, group_src=0)
+    except RuntimeError as exc:
+        raise _broken(group, f"a broadcast of {what}", exc, undone) from exc
+    return data if group.rank == 0 else buffer.numpy().tobytes()
 
 
 def exchange_blobs(

@@ -15,8 +15,8 @@ fetched from storage (the store layer's count, summed over the ranks) are at mos
 bytes the job needs, each needed byte counted once, and the OS agrees (``rchar`` of
 ``/proc/self/io`` per rank: the storage reads and nothing else of size); own reads fetch the
 replicas' bytes again (more than 1.9x where every rank holds everything). From S3, every
-rank's requests are the GETs the server logged from that rank for that store (plus the
-manifest).
+rank's requests are the GETs the server logged from that rank for that store, and the
+manifest is fetched by the first rank only.
 """
 
 from __future__ import annotations
@@ -93,11 +93,13 @@ def once_runs(
         local, remote = used[name] = stores[store]
         jobs.append({"kind": kind, "optimizer": name != "plain-weights", "store": local,
                      "s3": remote, "result": str(work / name)})  # fmt: skip
+    jobs.append({"kind": "open", "store": stores["mlp"][0], "missing": str(work / "none.ucf"),
+                 "result": str(work / "open")})  # fmt: skip
     s3.record()
     launch_jobs(WORKER, WORLD, jobs, work / "_launch", "read-once", timeout_s=900)
     records = {
         name: [json.loads((work / f"{name}.rank{r}.json").read_text()) for r in range(WORLD)]
-        for name in CASES
+        for name in [*CASES, "open"]
     }
     return records, used, s3.recorded()
 
@@ -155,7 +157,8 @@ def test_read_once_from_s3(once_runs: Runs, name: str) -> None:
 
 def test_read_once_requests_are_the_servers(once_runs: Runs) -> None:
     """Each rank's requests, summed over the jobs that read a store, are the GETs the server
-    logged from that rank for that store, plus one manifest read per job."""
+    logged from that rank for that store, plus, on the first rank, one manifest read per job
+    (the loads open the S3 store themselves: the first rank reads the manifest and sends it)."""
     records, stores, requests = once_runs
     by_store: dict[str, list[str]] = {}
     for name in CASES:
@@ -171,4 +174,13 @@ def test_read_once_requests_are_the_servers(once_runs: Runs) -> None:
                 and f"app/ucf-once-rank{rank}" in r.user_agent
             ]
             reported = sum(records[name][rank]["s3"]["requests"] for name in names)
-            assert len(gets) == reported + len(names), (remote, rank, len(gets), reported)
+            manifests = len(names) if rank == 0 else 0
+            assert len(gets) == reported + manifests, (remote, rank, len(gets), reported)
+
+
+def test_the_first_rank_reads_the_manifest_and_sends_it(once_runs: Runs) -> None:
+    """A collective open: every rank's manifest is the one it opens alone; where the first
+    rank cannot read its store, it raises its own error and the others read theirs."""
+    records = once_runs[0]["open"]
+    assert [r["same"] for r in records] == [True] * WORLD
+    assert [r["fallback"] for r in records] == ["SourceNotFoundError"] + ["opened"] * (WORLD - 1)

@@ -134,7 +134,8 @@ def load(
     """
     started = time.perf_counter()
     check_mode(read)
-    ckpt = store if isinstance(store, UniversalCheckpoint) else open_checkpoint(store)
+    shared = group() if read != "own" else None  # the manifest read once for the job
+    ckpt = store if isinstance(store, UniversalCheckpoint) else open_checkpoint(store, shared)
     before, requests_before = ckpt.stats.bytes_read, ckpt.stats.requests
     manifest = ckpt.manifest
     report = LoadReport()

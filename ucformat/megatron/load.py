@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from ucformat.collective import NOTHING_LOADED, settle
+from ucformat.collective import NOTHING_LOADED, Group, settle
 from ucformat.collective import group as ranks_group
 from ucformat.errors import ModelMismatchError, UCFormatError, UnsupportedExportError
 from ucformat.format.dtypes import itemsize
@@ -125,8 +125,10 @@ class _Target:
     pending: list[Pending] = field(default_factory=list)
 
 
-def _open(store: StoreLike | UniversalCheckpoint) -> UniversalCheckpoint:
-    return store if isinstance(store, UniversalCheckpoint) else open_checkpoint(store)
+def _open(
+    store: StoreLike | UniversalCheckpoint, group: Group | None = None
+) -> UniversalCheckpoint:
+    return store if isinstance(store, UniversalCheckpoint) else open_checkpoint(store, group)
 
 
 def _clip(
@@ -384,7 +386,7 @@ def load(
 
     started = time.perf_counter()
     check_mode(read)
-    ckpt = _open(store)
+    ckpt = _open(store, ranks_group() if read != "own" else None)
     manifest = ckpt.manifest
     before, requests_before = ckpt.stats.bytes_read, ckpt.stats.requests
     if optimizer is not None and manifest.optimizer is None:

@@ -33,10 +33,17 @@ from typing import Any
 import numpy as np
 import torch
 
+from ucformat.collective import Group, share_read
 from ucformat.errors import OutOfRangeError, ParamNotFoundError
 from ucformat.format.dtypes import numpy_storage_dtype, storage_to_torch, torch_dtype
 from ucformat.format.models import ArrayRef, CheckpointManifest, ScalarState
-from ucformat.format.spec import BUFFER_STATE, FP32_STATE, STACK_SEPARATOR, VALUE_STATE
+from ucformat.format.spec import (
+    BUFFER_STATE,
+    FP32_STATE,
+    MANIFEST_KEY,
+    STACK_SEPARATOR,
+    VALUE_STATE,
+)
 from ucformat.format.stacks import StoredArray, describe_ref, placement
 from ucformat.layout.boxes import Run
 from ucformat.layout.chunking import chunk_aligned_range, is_flat_chunking
@@ -48,17 +55,20 @@ from ucformat.store.checked import CheckedStore, IOStats
 from ucformat.store.direct.runs_read import FlatRun, check_runs, read_runs
 from ucformat.store.direct.shard_read import NOT_APPLICABLE
 from ucformat.store.keys import Store, StoreLike, open_store
-from ucformat.store.manifest_io import read_manifest
+from ucformat.store.manifest_io import parse_manifest, read_manifest, read_manifest_bytes
 from ucformat.sysio.memory import prefaulted_empty
 
 __all__ = ["BUFFER_STATE", "UniversalCheckpoint", "open_checkpoint", "scalar_value"]
 
 
-def open_checkpoint(store: StoreLike) -> UniversalCheckpoint:
+def open_checkpoint(store: StoreLike, group: Group | None = None) -> UniversalCheckpoint:
     """Open a committed ucformat store for reading.
 
     Args:
         store: a local path, an fsspec URL, or a zarr ``Store``.
+        group: the ranks of a collective load (:func:`ucformat.collective.group`, every rank
+            calling): its first rank reads the manifest and sends the bytes to the others, so
+            storage serves it once per job; every rank validates it. None: this rank reads it.
 
     Raises:
         IncompleteStoreError: the store has no committed manifest.
@@ -70,10 +80,27 @@ def open_checkpoint(store: StoreLike) -> UniversalCheckpoint:
         >>> ckpt.read("layers.0.weight", "exp_avg").shape  # doctest: +SKIP
         torch.Size([10, 10])
     """
-    base = open_store(store, read_only=True)
-    checked = CheckedStore(base)
-    manifest = read_manifest(checked, str(store))
-    return UniversalCheckpoint(checked, manifest, str(store))
+    where = str(store)
+    if group is None or not group.distributed:
+        checked = CheckedStore(open_store(store, read_only=True))
+        return UniversalCheckpoint(checked, read_manifest(checked, where), where)
+    opened: CheckedStore | Exception
+    try:  # a rank that cannot open its store still takes part in the broadcast
+        opened = CheckedStore(open_store(store, read_only=True))
+    except Exception as exc:
+        opened = exc
+
+    def read_first() -> bytes:
+        if isinstance(opened, Exception):
+            raise opened
+        return read_manifest_bytes(opened, where)
+
+    payload = share_read(read_first, group, MANIFEST_KEY)
+    if isinstance(opened, Exception):
+        raise opened
+    if payload is None:  # the first rank could not read it: each rank reads its own
+        return UniversalCheckpoint(opened, read_manifest(opened, where), where)
+    return UniversalCheckpoint(opened, parse_manifest(payload, where), where)
 
 
 def scalar_value(scalar: ScalarState) -> Any:

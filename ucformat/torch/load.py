@@ -83,8 +83,10 @@ class TorchLoadReport(JobReport):
         return self.bytes_read / self.bytes_needed if self.bytes_needed else 0.0
 
 
-def _open(store: StoreLike | UniversalCheckpoint) -> UniversalCheckpoint:
-    return store if isinstance(store, UniversalCheckpoint) else open_checkpoint(store)
+def _open(
+    store: StoreLike | UniversalCheckpoint, group: Group | None = None
+) -> UniversalCheckpoint:
+    return store if isinstance(store, UniversalCheckpoint) else open_checkpoint(store, group)
 
 
 def model_state_dict(
@@ -313,7 +315,7 @@ def load(
         >>> ucformat.torch.load(model, optimizer, "ckpt.ucf")  # doctest: +SKIP
     """
     check_mode(read)
-    ckpt = _open(store)
+    ckpt = _open(store, ranks_group() if read != "own" else None)
     manifest = ckpt.manifest
     report = TorchLoadReport()
     reshard(model)  # FSDP2 modules left unsharded by an evaluation forward
