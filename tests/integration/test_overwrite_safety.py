@@ -204,6 +204,26 @@ def test_the_writer_lock(tmp_path: Path) -> None:
     assert not lock.exists() and _entries(tmp_path) == ["out.ucf"]
 
 
+def test_the_lock_is_never_seen_empty_and_dead_writers_drafts_go(tmp_path: Path) -> None:
+    """A lock is written whole as a draft and linked into place, so a writer killed at any
+    moment leaves a full lock (stale once its pid is gone) or none, and maybe its draft: the
+    next writer on the host removes the drafts of dead processes and leaves the live ones'."""
+    dst = tmp_path / "out.ucf"
+    lock = local_lock_path(dst)
+    host = socket.gethostname()
+    dead = lock.with_name(f"{lock.name}.{host}.{_dead_pid()}.draft")
+    live = lock.with_name(f"{lock.name}.{host}.1.draft")  # pid 1: a writer still drafting
+    elsewhere = lock.with_name(f"{lock.name}.another-host.{_dead_pid()}.draft")
+    for draft in (dead, live, elsewhere):
+        draft.write_bytes(b"")
+    ucformat.convert(SOURCE, dst)
+    assert _entries(tmp_path) == sorted(["out.ucf", live.name, elsewhere.name])
+    # a killed writer's lock is whole: the next writer takes it over at once
+    _lock(dst, _dead_pid(), host)
+    ucformat.convert(SOURCE, dst, overwrite=True)
+    assert not lock.exists()
+
+
 RACER = r"""
 import json, os, sys, time
 from pathlib import Path

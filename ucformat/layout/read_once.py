@@ -34,7 +34,9 @@ ever holds the whole job's needs:
    same rounds without telling each other.
 
 A home's work grows with the demands it receives (about ``demands / W`` per rank on average),
-a rank's with its own demands and rows; nothing grows with ranks x arrays. The planning is
+a rank's with its own demands and rows; nothing grows with ranks x arrays, except at the home
+of a shard that many ranks need in many separate pieces, whose work grows with those ranks x
+pieces (docs/design.md, "Read once, job-wide": relaying down a tree is not built). The planning is
 pure: integers in, integers out (the executor, :mod:`ucformat.read.once`, moves the bytes).
 """
 

@@ -3,8 +3,11 @@
 A writer creates the lock atomically before it touches the destination and removes it on every
 exit path (commit or discard):
 
-* local stores: the file ``.<name>.ucformat-lock`` beside the destination folder, created with
-  ``O_CREAT | O_EXCL``;
+* local stores: the file ``.<name>.ucformat-lock`` beside the destination folder, written
+  whole as a draft (``.<name>.ucformat-lock.<host>.<pid>.draft``) and hard-linked into place,
+  which fails if the lock exists: a lock is never seen empty, even when its writer is killed
+  at any moment (a draft a dead process left is removed by the next writer on its host). On a
+  file system without hard links: ``O_CREAT | O_EXCL``, then the content;
 * S3 (s3fs): the object ``<prefix>/ucformat.lock``, created with a conditional PUT
   (``If-None-Match: *``); other object stores get a check-then-put (not atomic; documented).
 
@@ -23,6 +26,7 @@ import sys
 import time
 import uuid
 from dataclasses import dataclass
+from glob import escape as glob_escape
 from pathlib import Path
 from typing import Any
 
@@ -127,20 +131,52 @@ def acquire_local(root: Path) -> Path:
     """
     path = local_lock_path(root)
     path.parent.mkdir(parents=True, exist_ok=True)
+    _remove_dead_drafts(path)
+    payload = lock_payload()
     for _ in range(3):
         try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            _create(path, payload)
         except FileExistsError:
             if not _take_over(path):
                 raise StoreBusyError(busy_message(str(root), str(path), _read(path))) from None
             continue
-        try:
-            os.write(fd, lock_payload())
-        finally:
-            os.close(fd)
         _HELD.add(path)
         return path
     raise StoreBusyError(busy_message(str(root), str(path), _read(path)))
+
+
+def _draft_suffix() -> str:
+    return f".{socket.gethostname()}.{os.getpid()}.draft"
+
+
+def _create(path: Path, payload: bytes) -> None:
+    """Create the lock ``path`` holding ``payload``, or raise FileExistsError."""
+    draft = path.with_name(path.name + _draft_suffix())
+    try:
+        draft.write_bytes(payload)
+        try:
+            os.link(draft, path)
+            return
+        except FileExistsError:
+            raise
+        except OSError:  # no hard links here: create it exclusively, then fill it
+            pass
+    finally:
+        draft.unlink(missing_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        os.write(fd, payload)
+    finally:
+        os.close(fd)
+
+
+def _remove_dead_drafts(path: Path) -> None:
+    """Remove the drafts of ``path`` that processes of this host left when they died."""
+    host = socket.gethostname()
+    for draft in path.parent.glob(f"{glob_escape(path.name)}.*.draft"):
+        owner, _, pid = draft.name[len(path.name) + 1 : -len(".draft")].rpartition(".")
+        if owner == host and pid.isdigit() and LockInfo(int(pid), host, "", "").is_stale():
+            draft.unlink(missing_ok=True)
 
 
 def holds_local(root: Path) -> bool:
