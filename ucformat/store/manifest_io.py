@@ -67,8 +67,11 @@ ROOT_KEY = "zarr.json"
 
 
 def manifest_digest(manifest: CheckpointManifest) -> str:
-    """``sha256:<hex>`` of ``manifest`` with ``digest`` cleared, by its version's rule (§3.7)."""
-    return document_digest(manifest.model_dump(mode="json"))
+    """``sha256:<hex>`` of ``manifest`` with ``digest`` cleared, by its version's rule (§3.7):
+    computed, as a reader computes it, on the JSON the manifest is written as."""
+    with collection_paused():  # as in parse_manifest: many objects, no cycles
+        document, census = parse(manifest.model_dump_json().encode())
+        return document_digest(document, census)
 
 
 def document_digest(document: Mapping[str, Any], census: FloatCensus | None = None) -> str:
