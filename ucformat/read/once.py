@@ -61,6 +61,7 @@ from ucformat.layout.read_once import (
 )
 from ucformat.read.batch import Placement, ReadBatch, grid_of
 from ucformat.read.checkpoint import UniversalCheckpoint
+from ucformat.sysio.collector import collection_paused
 
 __all__ = [
     "AUTO_THRESHOLD",
@@ -207,6 +208,18 @@ def plan_shared(
     stored array path, the flat ranges it reads of it: :meth:`~ucformat.read.batch.ReadBatch.
     needs`). ``plan.stats.mode`` says how to read: ``once``
     (then :func:`execute_shared`) or ``own`` (each rank reads its own batch)."""
+    with collection_paused():  # a hot home makes a tuple per (rank, cell): no cycles
+        return _plan_shared(ckpt, needs, transport, mode, budget, policy)
+
+
+def _plan_shared(
+    ckpt: UniversalCheckpoint,
+    needs: Mapping[str, Sequence[tuple[int, int]]],
+    transport: Transport,
+    mode: str,
+    budget: int,
+    policy: BlockPolicy | None,
+) -> SharedPlan:
     world, me = transport.world_size, transport.rank
     table = stored_arrays(ckpt.manifest)
     paths = list(table)
