@@ -348,8 +348,8 @@ def share_read(
     read: Callable[[], bytes], group: Group, what: str, *, undone: str = NOTHING_LOADED
 ) -> bytes | None:
     """``read()`` (of ``what``, named in errors) on the group's first rank only, its bytes sent
-    to every rank (two broadcasts
-    on the private gloo group: the size, then the bytes), so storage serves them once.
+    to every rank (two broadcasts on the private gloo group: the size, then the bytes), so
+    storage serves them once.
 
     Returns:
         The bytes on every rank, or None on every rank but the first where ``read`` raised
